@@ -1,0 +1,39 @@
+"""Adaptive draft length and the expected-speedup model used by ``verispec tune``.
+
+With per-token acceptance rate ``a`` (i.i.d. approximation of Leviathan et al., 2023) and draft cost
+``c`` relative to a target step, a draft of length k yields ``(1 - a^(k+1)) / (1 - a)`` tokens per step
+at a cost of ``k c + v(k)`` target steps, where ``v(k)`` is the target's cost of verifying k + 1 tokens
+relative to one (1 in the paper's idealisation; measured here, since it is not 1 on a CPU).
+"""
+
+from __future__ import annotations
+
+from verispec.engine import SequenceState
+
+
+def expected_speedup(acceptance: float, k: int, draft_cost: float, verify_cost: float = 1.0) -> float:
+    """Expected tokens per unit of target-step time, relative to plain decoding."""
+    if k == 0:
+        return 1.0
+    a = min(max(acceptance, 0.0), 0.999999)
+    tokens = (1 - a ** (k + 1)) / (1 - a)
+    return tokens / (k * draft_cost + verify_cost)
+
+
+def best_k(acceptance: float, draft_cost: float, verify_cost=lambda k: 1.0, k_max: int = 16) -> int:
+    """The k in 0..k_max with the highest expected speedup (``verify_cost(k)`` per target step)."""
+    return max(range(k_max + 1), key=lambda k: expected_speedup(acceptance, k, draft_cost, verify_cost(k)))
+
+
+def adapt_k(seq: SequenceState, drafted: int, accepted: int) -> int:
+    """Next draft length for one sequence: grow after a fully accepted draft, shrink after a rejection.
+
+    Bounded by 1 and twice the configured k, so a run of easy text can speculate further than asked
+    and a hard stretch falls back to cheap one-token drafts without switching speculation off.
+    """
+    if drafted == 0:  # the drafter found nothing: no evidence either way
+        return seq.k
+    upper = max(1, 2 * seq.config.num_speculative_tokens)
+    if accepted == drafted:
+        return min(upper, seq.k + 1)
+    return max(1, min(seq.k - 1, accepted + 1))

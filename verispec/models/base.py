@@ -1,0 +1,56 @@
+"""The cached-model protocol every target and draft goes through.
+
+A ``KVModel`` holds a batch of rows, each with its own key/value cache. The engine keeps one
+invariant for every row (written here, tested in ``tests/test_kv_rollback.py``):
+
+    ``lengths[row] == len(committed[row]) - 1``
+
+i.e. the cache holds every committed token except the newest, which is "pending": it is fed at the
+start of the next step together with the draft tokens, so the step that verifies drafts also
+produces the logits that follow the pending token. Rejected draft tokens are never "removed"
+explicitly: ``truncate`` sets the row's length back and the next write overwrites them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+LogitsMode = Literal["all", "last", "none"]
+
+
+@runtime_checkable
+class KVModel(Protocol):
+    """A causal LM with a per-row KV cache that can be rolled back."""
+
+    vocab_size: int
+    """Size of the logits' last dimension."""
+    max_length: int
+    """Context length: a row may never hold more tokens than this."""
+    tokenizer: object | None
+    """The Hugging Face tokenizer, when the model has one."""
+
+    def reset(self, batch_size: int) -> None:
+        """Drop every row's cache and make room for ``batch_size`` empty rows."""
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Tokens held per row, ``[batch_size]`` int64 on the CPU."""
+
+    def forward(
+        self, input_ids: torch.Tensor, rows: list[int] | None = None, logits: LogitsMode = "all"
+    ) -> torch.Tensor | None:
+        """Append ``input_ids`` to the caches of ``rows`` and return their logits.
+
+        Args:
+            input_ids: ``[n, T]`` int64, one line per row in ``rows`` (all rows when None).
+            rows: which rows of the batch the lines belong to.
+            logits: "all" returns ``[n, T, V]``, "last" ``[n, V]``, "none" returns None.
+
+        Row ``r`` writes its tokens at positions ``lengths[r] .. lengths[r] + T - 1`` and attends to
+        everything before them; its length grows by T.
+        """
+
+    def truncate(self, lengths: torch.Tensor, rows: list[int] | None = None) -> None:
+        """Roll back: row ``rows[i]`` keeps its first ``lengths[i]`` tokens (``[n]`` int64)."""

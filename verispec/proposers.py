@@ -1,0 +1,207 @@
+"""Drafters behind one interface.
+
+A :class:`Proposer` sees each row's committed tokens and returns up to k draft tokens per row, with
+the distributions they were drawn from (or None: a point mass, as for n-gram lookup). The engine never
+asks which proposer it holds.
+
+- :class:`DraftModelProposer`: a smaller model sharing the target's tokenizer (Leviathan et al., 2023),
+  with its own KV cache, rolled back to the committed tokens before each proposal.
+- :class:`PromptLookup`: continue the longest recent n-gram that occurred earlier in the prompt or
+  output (Saxena, 2023, "Prompt Lookup Decoding"); no second model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from verispec.models.base import KVModel
+from verispec.rejection import inverse_cdf, uniforms
+from verispec.sampling import SamplingTensors, logits_to_probs
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Draft tokens for a batch of rows."""
+
+    tokens: torch.Tensor  # [B, k] int64; slots past num_draft hold 0
+    probs: torch.Tensor | None  # [B, k, V] distributions the tokens were drawn from; None = point mass
+    num_draft: torch.Tensor  # [B] int64, real drafts per row (<= k)
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """Proposes draft tokens; owns whatever state it needs per batch slot."""
+
+    def start(self, slot: int, tokens: Sequence[int]) -> None:
+        """A sequence with these committed tokens now occupies ``slot``."""
+
+    def propose(
+        self,
+        slots: list[int],
+        committed: list[list[int]],
+        num_tokens: torch.Tensor,
+        params: SamplingTensors,
+        generators: Sequence[torch.Generator | None],
+    ) -> Proposal:
+        """Propose up to ``num_tokens[i]`` (``[B]`` int64) tokens after ``committed[i]`` for ``slots[i]``."""
+
+
+def _empty(batch: int) -> Proposal:
+    return Proposal(
+        tokens=torch.zeros(batch, 0, dtype=torch.int64),
+        probs=None,
+        num_draft=torch.zeros(batch, dtype=torch.int64),
+    )
+
+
+class DraftModelProposer:
+    """Drafts by sampling k tokens from a smaller model with the same sampling transform as the target.
+
+    The draft's cache for each slot tracks which tokens it holds (``_cached``); before proposing, each
+    row is rolled back to its longest prefix shared with the committed tokens and the missing tokens
+    are fed in one call.
+    """
+
+    def __init__(self, model: KVModel, max_batch_size: int = 1, confidence_threshold: float = 0.0):
+        self.model = model
+        self.confidence_threshold = confidence_threshold
+        """Stop drafting a row once the draft's top probability falls below this (0 = never)."""
+        self._cached: dict[int, list[int]] = {}
+        self._batch = 0
+        self._ensure(max_batch_size)
+
+    def _ensure(self, slots: int) -> None:
+        if slots > self._batch:
+            self.model.reset(slots)
+            self._batch = slots
+            self._cached = {}
+
+    def start(self, slot: int, tokens: Sequence[int]) -> None:
+        """Prefill the draft with all committed tokens but the newest."""
+        self._ensure(slot + 1)
+        self.model.truncate(torch.zeros(1, dtype=torch.int64), rows=[slot])
+        prefix = list(tokens[:-1])
+        if prefix:
+            self.model.forward(torch.tensor([prefix]), rows=[slot], logits="none")
+        self._cached[slot] = prefix
+
+    def propose(
+        self,
+        slots: list[int],
+        committed: list[list[int]],
+        num_tokens: torch.Tensor,
+        params: SamplingTensors,
+        generators: Sequence[torch.Generator | None],
+    ) -> Proposal:
+        """Sample ``max(num_tokens)`` draft tokens per row, one draft forward per token."""
+        batch = len(slots)
+        k = int(num_tokens.max()) if batch else 0
+        if k == 0:
+            return _empty(batch)
+        logits = self._catch_up(slots, committed)  # [B, V]
+        tokens = torch.zeros(batch, k, dtype=torch.int64)
+        probs_out: list[torch.Tensor] = []
+        num_draft = num_tokens.clone()
+        for i in range(k):
+            probs = logits_to_probs(logits, params)  # [B, V]
+            if params.all_greedy:
+                tok = probs.argmax(dim=-1)
+            else:
+                tok = inverse_cdf(probs, uniforms(generators, 1, probs.dtype)[:, 0].to(probs.device))
+            tokens[:, i] = tok.cpu()
+            probs_out.append(probs)
+            if self.confidence_threshold > 0:
+                # A token the draft itself doubts is likely rejected: stop the row before it.
+                low = (probs.max(dim=-1).values.cpu() < self.confidence_threshold) & (num_draft > i)
+                num_draft = torch.where(low, torch.tensor(i), num_draft)
+            if i + 1 >= int(num_draft.max()):
+                break
+            logits = self.model.forward(tok[:, None], rows=slots, logits="last")  # [B, V]
+        for row, slot in enumerate(slots):
+            self._cached[slot].extend(tokens[row, : len(probs_out) - 1].tolist())
+        used = len(probs_out)
+        return Proposal(
+            tokens=tokens[:, :used], probs=torch.stack(probs_out, dim=1), num_draft=num_draft.clamp(max=used)
+        )
+
+    def _catch_up(self, slots: list[int], committed: list[list[int]]) -> torch.Tensor:
+        """Feed each row the committed tokens its cache lacks; return ``[B, V]`` logits after them."""
+        need = []
+        for slot, toks in zip(slots, committed):
+            cached = self._cached[slot]
+            common = 0
+            limit = min(len(cached), len(toks) - 1)
+            while common < limit and cached[common] == toks[common]:
+                common += 1
+            need.append(len(toks) - common)
+        width = max(need)
+        # Feed the same number of tokens to every row: a row that lacks fewer re-feeds some it holds
+        # (rewriting identical cache entries), unless its sequence is too short to do so.
+        even = [i for i, toks in enumerate(committed) if len(toks) >= width]
+        out: list[torch.Tensor | None] = [None] * len(slots)
+        groups = [even] + [[i] for i in range(len(slots)) if i not in even]
+        for group in groups:
+            if not group:
+                continue
+            w = width if group is even else need[group[0]]
+            rows = [slots[i] for i in group]
+            self.model.truncate(torch.tensor([len(committed[i]) - w for i in group]), rows=rows)
+            ids = torch.tensor([committed[i][-w:] for i in group])
+            logits = self.model.forward(ids, rows=rows, logits="last")
+            for j, i in enumerate(group):
+                out[i] = logits[j]
+                self._cached[slots[i]] = list(committed[i])
+        return torch.stack(out)  # type: ignore[arg-type]
+
+
+class PromptLookup:
+    """n-gram prompt lookup: find the most recent earlier occurrence of the sequence's last n tokens
+    (n from ``max_ngram`` down to ``min_ngram``) and propose the tokens that followed it.
+
+    Rows with no match propose nothing, so the step costs what plain decoding costs.
+    """
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("need 1 <= min_ngram <= max_ngram")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def start(self, slot: int, tokens: Sequence[int]) -> None:
+        """Stateless: nothing to prepare."""
+
+    def propose(
+        self,
+        slots: list[int],
+        committed: list[list[int]],
+        num_tokens: torch.Tensor,
+        params: SamplingTensors,
+        generators: Sequence[torch.Generator | None],
+    ) -> Proposal:
+        """Point-mass proposals copied from earlier in each row's own tokens."""
+        batch = len(slots)
+        k = int(num_tokens.max()) if batch else 0
+        if k == 0:
+            return _empty(batch)
+        tokens = torch.zeros(batch, k, dtype=torch.int64)
+        num_draft = torch.zeros(batch, dtype=torch.int64)
+        for row, toks in enumerate(committed):
+            found = self.lookup(torch.tensor(toks), int(num_tokens[row]))
+            tokens[row, : len(found)] = found
+            num_draft[row] = len(found)
+        return Proposal(tokens=tokens, probs=None, num_draft=num_draft)
+
+    def lookup(self, seq: torch.Tensor, k: int) -> torch.Tensor:
+        """Up to ``k`` tokens that followed the latest earlier match of ``seq``'s suffix (``[N]`` -> ``[<=k]``)."""
+        n_tokens = seq.shape[0]
+        for n in range(min(self.max_ngram, n_tokens - 1), self.min_ngram - 1, -1):
+            windows = seq[: n_tokens - 1].unfold(0, n, 1)  # [N - n, n]: every earlier n-gram
+            hits = (windows == seq[n_tokens - n :]).all(dim=1).nonzero()[:, 0]
+            if hits.numel():
+                start = int(hits[-1]) + n
+                return seq[start : start + k]
+        return seq[:0]

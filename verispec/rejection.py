@@ -1,0 +1,106 @@
+"""Speculative rejection sampling (Leviathan et al., 2023; Chen et al., 2023), as a pure function.
+
+Output, per row: the **accepted** draft tokens, then one more token that is either **recovered**
+(sampled from the normalised residual ``max(0, target_probs - draft_probs)`` at the first rejection)
+or the **bonus** (sampled from the target at the position after the last draft, when every draft
+token was accepted). Slots after that are padded with -1.
+
+Draft token ``i`` is accepted with probability ``min(1, target_probs[i] / draft_probs[i])``; this makes
+every emitted token distributed exactly as the target's (transformed) distribution. A drafter that
+gives no probabilities (n-gram lookup) is a point mass: ``draft_probs[i] = 1`` at its token.
+Greedy rows arrive as one-hot distributions, for which the rule is exact argmax matching.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What one verification step emits."""
+
+    tokens: torch.Tensor  # [B, k + 1] int64: accepted..., recovered-or-bonus, then -1 padding
+    num_accepted: torch.Tensor  # [B] int64: accepted draft tokens per row (emitted = num_accepted + 1)
+
+
+def uniforms(generators: Sequence[torch.Generator | None], count: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, count]`` uniforms in [0, 1), row b drawn from its own generator (a seed reproduces a row)."""
+    return torch.stack([torch.rand(count, generator=g, dtype=dtype) for g in generators])
+
+
+def rejection_sample(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    num_draft: torch.Tensor,
+    generators: Sequence[torch.Generator | None],
+) -> Verdict:
+    """Accept or reject each row's draft tokens and sample the one token that follows.
+
+    Args:
+        draft_tokens: ``[B, k]`` int64 proposed tokens (values past ``num_draft`` are ignored).
+        draft_probs: ``[B, k, V]`` the distributions the draft tokens were sampled from, after the
+            shared sampling transform; None for point-mass drafters.
+        target_probs: ``[B, k + 1, V]`` target distributions at each draft position and the one after.
+        num_draft: ``[B]`` int64, how many of the k slots hold real drafts in each row (0 = none).
+        generators: one per row.
+
+    Returns:
+        A :class:`Verdict`.
+    """
+    batch, k = draft_tokens.shape
+    dtype = target_probs.dtype
+    rand = uniforms(generators, k + 1, dtype).to(target_probs.device)  # [B, k + 1]
+    positions = torch.arange(k, device=target_probs.device)
+    valid = positions[None, :] < num_draft[:, None]  # [B, k]
+    safe_tokens = draft_tokens.clamp_min(0)
+
+    target_at_draft = target_probs[:, :k].gather(-1, safe_tokens[..., None])[..., 0]  # [B, k]
+    if draft_probs is None:
+        draft_at_draft = torch.ones_like(target_at_draft)
+    else:
+        draft_at_draft = draft_probs.gather(-1, safe_tokens[..., None])[..., 0]  # [B, k]
+    # u < p_t / p_d, written without division; strict so that p_t == 0 never accepts.
+    accept = (rand[:, :k] * draft_at_draft < target_at_draft) & valid
+    num_accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]
+
+    # Distribution of the final token: residual after a rejection, the target itself after k accepts.
+    gather_at = num_accepted.view(batch, 1, 1).expand(-1, 1, target_probs.shape[-1])
+    final = target_probs.gather(1, gather_at)[:, 0]  # [B, V]
+    rejected = num_accepted < num_draft  # [B]
+    if bool(rejected.any()):
+        if draft_probs is None:
+            at_draft = torch.zeros_like(final)
+            rej_tok = safe_tokens.gather(1, num_accepted.clamp(max=k - 1)[:, None])  # [B, 1]
+            at_draft.scatter_(-1, rej_tok, 1.0)
+        else:
+            at_draft = draft_probs.gather(
+                1, num_accepted.clamp(max=k - 1).view(batch, 1, 1).expand_as(gather_at)
+            )[:, 0]
+        residual = (final - at_draft).clamp_min(0)
+        mass = residual.sum(dim=-1, keepdim=True)
+        # A rejection is impossible when the residual has no mass; keep the target then (guards 0/0).
+        residual = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(dtype).tiny), final)
+        final = torch.where(rejected[:, None], residual, final)
+    last = inverse_cdf(final, rand[:, k])  # [B]
+
+    tokens = torch.full((batch, k + 1), -1, dtype=torch.int64, device=draft_tokens.device)
+    keep = positions[None, :] < num_accepted[:, None]
+    tokens[:, :k] = torch.where(keep, draft_tokens, tokens[:, :k])
+    tokens.scatter_(1, num_accepted[:, None], last[:, None])
+    return Verdict(tokens=tokens, num_accepted=num_accepted)
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Sample ``[B]`` tokens from ``probs [B, V]`` (need not be normalised) with uniforms ``u [B]``.
+
+    Zero-probability tokens are never chosen (``right=True`` needs the cdf to strictly exceed u).
+    """
+    cdf = probs.cumsum(dim=-1)
+    target = (u * cdf[:, -1]).to(cdf.dtype)[:, None]
+    idx = torch.searchsorted(cdf, target, right=True)[:, 0]
+    return idx.clamp(max=probs.shape[-1] - 1)

@@ -1,0 +1,126 @@
+"""The one logits-to-probabilities path, used by draft and target alike.
+
+Losslessness needs both models' distributions to be transformed identically, so every caller goes
+through :func:`logits_to_probs`. Settings are per row, so a batch may mix greedy and sampled requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from verispec.config import SamplingConfig
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row sampling settings as tensors (built once per batch composition)."""
+
+    temperature: torch.Tensor  # [B] float; 0 = greedy
+    top_k: torch.Tensor  # [B] int64; 0 = off
+    top_p: torch.Tensor  # [B] float; 1 = off
+    any_greedy: bool
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+
+    @classmethod
+    def from_configs(cls, configs: Sequence[SamplingConfig]) -> SamplingTensors:
+        """Stack the settings of the rows of a batch."""
+        temp = torch.tensor([c.temperature for c in configs], dtype=torch.float64)
+        top_k = torch.tensor([c.top_k or 0 for c in configs], dtype=torch.int64)
+        top_p = torch.tensor([1.0 if c.top_p is None else c.top_p for c in configs], dtype=torch.float64)
+        greedy = temp == 0
+        return cls(
+            temperature=temp,
+            top_k=top_k,
+            top_p=top_p,
+            any_greedy=bool(greedy.any()),
+            all_greedy=bool(greedy.all()),
+            any_top_k=bool((top_k > 0).any()),
+            any_top_p=bool((top_p < 1).any()),
+        )
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """Turn logits into the distribution that sampling draws from.
+
+    Args:
+        logits: ``[B, T, V]`` (or ``[B, V]``), any float dtype.
+        params: settings of the B rows.
+
+    Returns:
+        Probabilities of the same shape, in float32 (float64 when the logits are float64). Greedy
+        rows are one-hot on the argmax (first index on ties), so rejection sampling reduces to exact
+        argmax matching.
+    """
+    squeeze = logits.dim() == 2
+    if squeeze:
+        logits = logits[:, None, :]
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    logits = logits.to(dtype)
+    batch = logits.shape[0]
+    if params.all_greedy:
+        probs = _one_hot_argmax(logits)
+        return probs[:, 0] if squeeze else probs
+
+    temp = params.temperature.to(dtype=dtype, device=logits.device).clamp_min(1e-6).view(batch, 1, 1)
+    scaled = logits / temp
+    if params.any_top_k:
+        top_k = params.top_k.to(logits.device).clamp(max=logits.shape[-1])
+        # k-th largest value per row; rows with top_k == 0 keep everything.
+        kth = torch.topk(scaled, int(top_k.max()), dim=-1).values
+        idx = (top_k.clamp_min(1) - 1).view(batch, 1, 1).expand(-1, scaled.shape[1], 1)
+        threshold = kth.gather(-1, idx)
+        threshold = torch.where(
+            (top_k > 0).view(batch, 1, 1), threshold, torch.full_like(threshold, -torch.inf)
+        )
+        scaled = scaled.masked_fill(scaled < threshold, -torch.inf)
+    if params.any_top_p:
+        scaled = _top_p_mask(scaled, params.top_p.to(dtype=dtype, device=logits.device).view(batch, 1, 1))
+    probs = torch.softmax(scaled, dim=-1)
+    if params.any_greedy:
+        greedy = (params.temperature == 0).to(logits.device).view(batch, 1, 1)
+        probs = torch.where(greedy, _one_hot_argmax(logits), probs)
+    return probs[:, 0] if squeeze else probs
+
+
+def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``[..., V]`` -> one-hot of the argmax, same shape."""
+    probs = torch.zeros_like(logits)
+    probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return probs
+
+
+def _top_p_mask(scaled: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask all but the smallest prefix of tokens (by probability) whose mass reaches ``top_p``.
+
+    Args:
+        scaled: ``[B, T, V]`` temperature-scaled logits (possibly already top-k masked).
+        top_p: ``[B, 1, 1]``.
+    """
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    # A token stays if the mass strictly before it is below top_p: the first token always stays.
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    drop_sorted = mass_before >= top_p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return scaled.masked_fill(drop, -torch.inf)
+
+
+def sample(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """Draw one token per row, each row from its own generator.
+
+    Args:
+        probs: ``[B, V]``.
+        generators: one per row (None uses the global generator).
+
+    Returns:
+        ``[B]`` int64.
+    """
+    out = torch.empty(probs.shape[0], dtype=torch.int64)
+    for row, gen in enumerate(generators):
+        out[row] = torch.multinomial(probs[row], 1, generator=gen)[0]
+    return out
