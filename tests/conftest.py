@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny random models (fast) and the real default model (slow tests only)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def tiny_llama(vocab_size: int = 64, *, seed: int = 0, layers: int = 2, hidden: int = 32, dtype=torch.float64):
+    """A random Llama small enough for exhaustive tests."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=512)
+    return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+@pytest.fixture(scope="session")
+def default_model_folder() -> Path:
+    """The packaged default model converted once to a HF folder (cached across runs)."""
+    from verispec.models.loading import PACKAGED, converted_folder
+
+    return converted_folder(PACKAGED["smollm2-135m"].path())
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The real default model as loaded by users (fast path where available)."""
+    from verispec import load_model
+
+    return load_model("default")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_folder(tmp_path_factory, default_model_folder) -> Path:
+    """A tiny random Llama with the default model's tokenizer (vocab 49152), saved as a HF folder.
+
+    Lets CLI and server tests run end to end in seconds with a real tokenizer and chat template.
+    """
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(default_model_folder)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    model = LlamaForCausalLM(cfg)
+    out = tmp_path_factory.mktemp("tiny_model")
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

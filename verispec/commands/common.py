@@ -1,0 +1,44 @@
+"""Arguments shared by generate, bench and serve, and how they become typed config."""
+
+from __future__ import annotations
+
+import argparse
+
+from verispec.config import ConfigError, SamplingConfig
+
+
+def add_model_arguments(p: argparse.ArgumentParser, *, draft_flag: str = "--draft-model") -> None:
+    """--model, the draft choice, k and weight format."""
+    p.add_argument("--model", default="default", help="target: packaged name, .gguf file, HF folder or hub id")
+    p.add_argument(draft_flag, dest="draft_model", default=None,
+                   help="draft model (same tokenizer as the target); 'default' = the shipped draft")
+    p.add_argument("--prompt-lookup", action="store_true", help="draft by n-gram prompt lookup (no second model)")
+    p.add_argument("--num-speculative-tokens", "-k", type=int, default=4, help="draft length k (0 = plain decoding)")
+    p.add_argument("--dtype", default="float32", help="weight format of the fast path (float32, bfloat16, int8)")
+    p.add_argument("--backend", default="auto", choices=["auto", "fast", "hf"], help="model implementation")
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    """--temperature, --top-k, --top-p, --seed."""
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None, help="reproduces a sampled response")
+
+
+def sampling_config(args: argparse.Namespace) -> SamplingConfig:
+    """Validated sampling settings from parsed arguments."""
+    return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+
+
+def check_model_arguments(args: argparse.Namespace) -> None:
+    """Checks that need no model, done before any loading."""
+    if args.num_speculative_tokens < 0:
+        raise ConfigError(f"--num-speculative-tokens must be >= 0, got {args.num_speculative_tokens}")
+    if args.prompt_lookup and args.draft_model:
+        raise ConfigError("choose one drafter: --prompt-lookup or a draft model, not both")
+    from verispec.models.loading import resolve
+
+    resolve(args.model)  # raises ModelNotFoundError with a clear message
+    if args.draft_model and args.draft_model != "default":
+        resolve(args.draft_model)
