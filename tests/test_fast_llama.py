@@ -1,0 +1,240 @@
+"""FastLlama against the Hugging Face reference on tiny random models.
+
+Both paths are tested: the C++ kernel (skipped cleanly when it cannot be compiled) and the torch
+fallback. Sizes are chosen to hit the awkward cases: GQA (4 query heads on 2 KV heads), an
+intermediate size that is not a multiple of 8 (the kernel's scalar tails), calls that mix rows of
+different lengths.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from verispec.models.base import KVModel
+from verispec.models.fast_llama import FastLlama, kernel_available
+
+HAVE_KERNEL = kernel_available()
+requires_kernel = pytest.mark.skipif(not HAVE_KERNEL, reason="C++ kernel could not be built here")
+PATHS = [pytest.param(True, id="kernel", marks=requires_kernel), pytest.param(False, id="torch")]
+
+VOCAB = 300
+SIZES = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=100,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+
+
+def _llama(**extra: object) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**{**SIZES, "tie_word_embeddings": True, **extra})).eval()
+
+
+def _qwen2() -> Qwen2ForCausalLM:
+    torch.manual_seed(1)
+    return Qwen2ForCausalLM(Qwen2Config(**SIZES, tie_word_embeddings=False)).eval()
+
+
+def _mistral() -> MistralForCausalLM:
+    torch.manual_seed(2)
+    return MistralForCausalLM(MistralConfig(**SIZES, sliding_window=64)).eval()
+
+
+def _llama3_rope() -> LlamaForCausalLM:
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
+    return _llama(rope_parameters=rope)
+
+
+MODELS = {"llama": _llama, "qwen2": _qwen2, "mistral": _mistral, "llama3-rope": _llama3_rope}
+
+
+def _reference(hf: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """HF logits ``[n, T, V]`` for full sequences ``ids`` ``[n, T]``."""
+    with torch.no_grad():
+        return hf(ids).logits
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("use_kernel", PATHS)
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_prefill_then_decode_matches_hf(arch: str, use_kernel: bool) -> None:
+    hf = MODELS[arch]()
+    ids = torch.randint(0, VOCAB, (1, 60), generator=torch.Generator().manual_seed(3))
+    want = _reference(hf, ids)
+    fast = FastLlama.from_hf(hf, use_kernel=use_kernel)
+    assert fast.uses_kernel == use_kernel
+    assert isinstance(fast, KVModel)
+    # 20 tokens goes through the long-prefill (torch) path, 12 through the kernel when present.
+    pieces, pos = [], 0
+    for t in (20, 12, 1, 3, 5, 1, 5, 3, 1, 9):
+        pieces.append(fast.forward(ids[:, pos : pos + t]))
+        pos += t
+    assert fast.lengths.tolist() == [pos]
+    _close(torch.cat(pieces, dim=1), want[:, :pos])
+
+
+@pytest.mark.parametrize("use_kernel", PATHS)
+def test_chunked_prefill_matches_hf(use_kernel: bool) -> None:
+    hf = _llama()
+    ids = torch.randint(0, VOCAB, (1, 70), generator=torch.Generator().manual_seed(4))
+    fast = FastLlama.from_hf(hf, use_kernel=use_kernel)
+    fast.prefill_chunk = 32  # 70 tokens = 3 chunks
+    _close(fast.forward(ids), _reference(hf, ids))
+    fast.reset(1)
+    _close(fast.forward(ids, logits="last"), _reference(hf, ids)[:, -1])
+
+
+@pytest.mark.parametrize("use_kernel", PATHS)
+def test_truncate_then_refeed_gives_fresh_logits(use_kernel: bool) -> None:
+    hf = _llama()
+    gen = torch.Generator().manual_seed(5)
+    prompt, drafts, other = (torch.randint(0, VOCAB, (1, t), generator=gen) for t in (10, 5, 4))
+    fast = FastLlama.from_hf(hf, use_kernel=use_kernel)
+    fast.forward(prompt, logits="none")
+    first = fast.forward(drafts)
+    # A rejected draft: roll back, write something else over the same positions, roll back again.
+    fast.truncate(torch.tensor([10]))
+    assert fast.lengths.tolist() == [10]
+    fast.forward(other, logits="none")
+    fast.truncate(torch.tensor([10]))
+    again = fast.forward(drafts)
+    if use_kernel:
+        assert torch.equal(first, again)
+    _close(again, _reference(hf, torch.cat([prompt, drafts], 1))[:, 10:])
+    with pytest.raises(ValueError):
+        fast.truncate(torch.tensor([16]))  # can only shorten
+
+
+@pytest.mark.parametrize("use_kernel", PATHS)
+def test_ragged_rows_and_row_subsets(use_kernel: bool) -> None:
+    hf = _qwen2()
+    gen = torch.Generator().manual_seed(6)
+    seq = torch.randint(0, VOCAB, (2, 30), generator=gen)
+    want = _reference(hf, seq)
+    fast = FastLlama.from_hf(hf, max_batch_size=2, use_kernel=use_kernel)
+    fast.forward(seq[1:, :12], rows=[1], logits="none")
+    _close(fast.forward(seq[:1, :7], rows=[0]), want[:1, :7])
+    assert fast.lengths.tolist() == [7, 12]
+    # Only row 1 advances; row 0's cache is untouched.
+    _close(fast.forward(seq[1:, 12:15], rows=[1]), want[1:, 12:15])
+    assert fast.lengths.tolist() == [7, 15]
+    # Both rows in one call, each at its own positions (7.. and 15..), rows listed out of order.
+    both = fast.forward(torch.stack([seq[1, 15:18], seq[0, 7:10]]), rows=[1, 0])
+    _close(both[0], want[1, 15:18])
+    _close(both[1], want[0, 7:10])
+    last = fast.forward(torch.stack([seq[0, 10:12], seq[1, 18:20]]), logits="last")
+    _close(last, torch.stack([want[0, 11], want[1, 19]]))
+    with pytest.raises(ValueError):
+        fast.forward(seq[:1, :1], rows=[2])
+
+
+@pytest.mark.parametrize("use_kernel", PATHS)
+def test_logits_last_and_none(use_kernel: bool) -> None:
+    hf = _llama()
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(7))
+    fast = FastLlama.from_hf(hf, max_batch_size=2, use_kernel=use_kernel)
+    every = fast.forward(ids)
+    assert every.shape == (2, 6, VOCAB)
+    fast.reset(2)
+    last = fast.forward(ids, logits="last")
+    assert last.shape == (2, VOCAB)
+    if use_kernel:
+        assert torch.equal(last, every[:, -1])
+    _close(last, every[:, -1])
+    fast.reset(2)
+    assert fast.forward(ids, logits="none") is None
+    assert fast.lengths.tolist() == [6, 6]
+
+
+@requires_kernel
+def test_kernel_logits_are_bitwise_independent_of_tokens_per_call() -> None:
+    """Plain greedy (T=1 steps) and verification (T=5 steps) must see identical logits."""
+    hf = _mistral()
+    ids = torch.randint(0, VOCAB, (2, 25), generator=torch.Generator().manual_seed(8))
+    fast = FastLlama.from_hf(hf, max_batch_size=2, use_kernel=True)
+    fast.forward(ids[:, :5], logits="none")
+    one_at_a_time = torch.cat([fast.forward(ids[:, t : t + 1]) for t in range(5, 25)], dim=1)
+    for steps in ((5, 5, 5, 5), (3, 1, 16), (2, 7, 11)):
+        fast.reset(2)
+        fast.forward(ids[:, :5], logits="none")
+        pieces, pos = [], 5
+        for t in steps:
+            pieces.append(fast.forward(ids[:, pos : pos + t]))
+            pos += t
+        assert torch.equal(torch.cat(pieces, dim=1), one_at_a_time), steps
+    # Nor does it depend on which other rows share the call.
+    fast.reset(2)
+    fast.forward(ids[:, :5], logits="none")
+    alone = torch.cat([fast.forward(ids[1:, t : t + 4], rows=[1]) for t in range(5, 25, 4)], dim=1)
+    assert torch.equal(alone, one_at_a_time[1:])
+
+
+@requires_kernel
+def test_forced_fallback_by_env_var(monkeypatch: pytest.MonkeyPatch) -> None:
+    hf = _llama()
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(9))
+    monkeypatch.setenv("VERISPEC_NO_KERNEL", "1")
+    fallback = FastLlama.from_hf(hf)
+    monkeypatch.delenv("VERISPEC_NO_KERNEL")
+    kernel = FastLlama.from_hf(hf)
+    assert not fallback.uses_kernel and kernel.uses_kernel
+    _close(fallback.forward(ids), kernel.forward(ids))
+
+
+@pytest.mark.parametrize("use_kernel", PATHS)
+def test_bfloat16_weights_match_a_bf16_rounded_reference(use_kernel: bool) -> None:
+    hf = _qwen2()
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(10))
+    fast = FastLlama.from_hf(hf, dtype="bfloat16", use_kernel=use_kernel)
+    got = torch.cat([fast.forward(ids[:, :8]), fast.forward(ids[:, 8:])], dim=1)
+    # The kernel keeps norms and biases in float32, so round only the matrices.
+    rounded = _qwen2()
+    with torch.no_grad():
+        for p in rounded.parameters():
+            if p.dim() == 2:
+                p.copy_(p.bfloat16().float())
+    _close(got, _reference(rounded, ids))
+
+
+def test_supports_and_limits() -> None:
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    assert not FastLlama.supports(gpt2)
+    assert not FastLlama.supports(
+        _llama(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0})
+    )
+    assert FastLlama.supports(_llama())
+    fast = FastLlama.from_hf(_llama(), max_length=16)
+    assert fast.max_length == 16 and fast.vocab_size == VOCAB
+    assert FastLlama.from_hf(_mistral()).max_length == 64  # capped at the sliding window
+    fast.forward(torch.zeros(1, 10, dtype=torch.int64), logits="none")
+    with pytest.raises(ValueError):
+        fast.forward(torch.zeros(1, 7, dtype=torch.int64))
+    fast.reset(3)  # grows the caches
+    assert fast.lengths.tolist() == [0, 0, 0]
+    assert fast.forward(torch.zeros(3, 2, dtype=torch.int64)).shape == (3, 2, VOCAB)

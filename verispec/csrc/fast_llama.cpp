@@ -1,0 +1,449 @@
+// CPU kernels for verispec.models.fast_llama: one call runs a whole Llama-style forward.
+//
+// Why a hand-written forward: decoding a small model on a CPU is bound by reading the weights
+// (538 MB per step for SmolLM2-135M in float32), and verifying k draft tokens must not read them k
+// times. `linear` streams each block of weight rows from memory once and applies it to every input
+// row while it sits in L1. Running the layer loop here, not in Python, removes ~10 dispatches per
+// layer.
+//
+// Determinism (the property speculative greedy decoding relies on): every output element of every
+// reduction (matmul dot products, attention scores, softmax sums, attention outputs, RMS norms) is
+// computed by code whose operation order depends only on that element's own inputs, never on how
+// many tokens or rows share the call, nor on how work is split over threads. So a token's logits
+// are bitwise the same whether it is fed alone (T=1) or with draft tokens (T=5), in any batch.
+//
+// Compiled at first use by torch.utils.cpp_extension.load with -mavx2 -mfma.
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <vector>
+
+namespace {
+
+using bf16 = uint16_t;
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+// bf16 -> f32 is exact: the bf16 bits are the top half of the f32.
+inline __m256 load8(const bf16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline float to_f32(float v) { return v; }
+inline float to_f32(bf16 v) {
+  const uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// Horizontal sum in one fixed lane order, shared by every reduction below.
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// y[i, j] (+)= bias[j] + dot(x[i, :K], w[j, :K]) for an MR x NR tile.
+// Each element has one accumulator chain over K in steps of 8, then hsum, then the scalar tail:
+// the same sequence whatever MR and NR are, which is what makes results independent of M.
+// `pf` (may be null) is the address, relative to each weight row, to prefetch alongside: the
+// next block of the stream. Without it loads and FMAs serialise (measured: M=5 costs memory time +
+// compute time); with it the next block's DRAM reads overlap this block's arithmetic.
+template <int MR, int NR, typename WT>
+inline void tile(const float* x, int64_t ldx, const WT* w, int64_t K, const float* bias, float* y,
+                 int64_t ldy, bool accumulate, int64_t pf) {
+  __m256 acc[MR][NR];
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 wv[NR];
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) wv[j] = load8(w + j * K + k);
+    if (pf != 0) {
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + j * K + k + pf), _MM_HINT_T0);
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    for (int j = 0; j < NR; ++j) {
+      float s = hsum(acc[i][j]);
+      for (int64_t kk = k; kk < K; ++kk) s += x[i * ldx + kk] * to_f32(w[j * K + kk]);
+      if (bias != nullptr) s += bias[j];
+      float* out = y + i * ldy + j;
+      *out = accumulate ? *out + s : s;
+    }
+  }
+}
+
+// Rows m0 .. m0+MR of the input against weight rows n0 .. n0+nr (nr <= 4).
+template <int MR, typename WT>
+inline void tile_rows(const float* x, int64_t ldx, const WT* w, int64_t K, int64_t nr,
+                      const float* bias, float* y, int64_t ldy, bool acc, int64_t pf) {
+  // 4x2 and 1..2x4 tiles keep 8 independent FMA chains in 16 ymm registers.
+  constexpr int NR = MR >= 3 ? 2 : 4;
+  int64_t j = 0;
+  for (; j + NR <= nr; j += NR)
+    tile<MR, NR>(x, ldx, w + j * K, K, bias ? bias + j : nullptr, y + j, ldy, acc, pf);
+  for (; j < nr; ++j) tile<MR, 1>(x, ldx, w + j * K, K, bias ? bias + j : nullptr, y + j, ldy, acc, pf);
+}
+
+// y[M, N] (+)= x[M, K] @ w[N, K]^T + bias. Threads split the weight rows, so each thread streams
+// its half of the weights once; within a block of 4 weight rows every input row is applied while
+// the block is in L1.
+template <typename WT>
+void linear(const float* x, int64_t M, int64_t ldx, const WT* w, int64_t N, int64_t K,
+            const float* bias, float* y, int64_t ldy, bool accumulate) {
+  constexpr int64_t NB = 4;
+  const int64_t nblocks = (N + NB - 1) / NB;
+  at::parallel_for(0, nblocks, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * NB;
+      const int64_t nr = std::min(NB, N - n0);
+      const WT* wb = w + n0 * K;
+      const float* bb = bias ? bias + n0 : nullptr;
+      // Only the first pass over the block prefetches; later passes find it in L1/L2.
+      int64_t pf = NB * K;
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4, pf = 0)
+        tile_rows<4>(x + m * ldx, ldx, wb, K, nr, bb, y + m * ldy + n0, ldy, accumulate, pf);
+      const int64_t rest = M - m;
+      const float* xr = x + m * ldx;
+      float* yr = y + m * ldy + n0;
+      if (rest == 3) tile_rows<3>(xr, ldx, wb, K, nr, bb, yr, ldy, accumulate, pf);
+      if (rest == 2) tile_rows<2>(xr, ldx, wb, K, nr, bb, yr, ldy, accumulate, pf);
+      if (rest == 1) tile_rows<1>(xr, ldx, wb, K, nr, bb, yr, ldy, accumulate, pf);
+    }
+  });
+}
+
+// Sum of squares in fixed order: 8 lanes over the row, hsum, scalar tail.
+inline float sumsq(const float* x, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) {
+    const __m256 v = _mm256_loadu_ps(x + k);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  float s = hsum(acc);
+  for (; k < n; ++k) s += x[k] * x[k];
+  return s;
+}
+
+// Same order as HF's LlamaRMSNorm: weight * (x * rsqrt(mean(x^2) + eps)).
+void rmsnorm(const float* x, int64_t M, int64_t H, const float* w, float eps, float* y) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * H;
+    float* ym = y + m * H;
+    const float r = 1.0f / std::sqrt(sumsq(xm, H) / static_cast<float>(H) + eps);
+    for (int64_t k = 0; k < H; ++k) ym[k] = w[k] * (xm[k] * r);
+  }
+}
+
+// HF's rotate_half convention: out = x * cos + cat(-x2, x1) * sin, with cos/sin rows of width D.
+inline void rope(float* v, const float* cos, const float* sin, int64_t D) {
+  const int64_t h = D / 2;
+  for (int64_t d = 0; d < h; ++d) {
+    const float x1 = v[d], x2 = v[d + h];
+    v[d] = x1 * cos[d] + (-x2) * sin[d];
+    v[d + h] = x2 * cos[d + h] + x1 * sin[d + h];
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc);
+  float s = hsum(acc);
+  for (; k < n; ++k) s += a[k] * b[k];
+  return s;
+}
+
+// Four keys at once for throughput; each score is the same op sequence as dot().
+inline void dot4(const float* q, const float* k, int64_t D, float* out) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + d), a0);
+    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + D + d), a1);
+    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * D + d), a2);
+    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * D + d), a3);
+  }
+  float s[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
+  for (; d < D; ++d)
+    for (int i = 0; i < 4; ++i) s[i] += q[d] * k[i * D + d];
+  for (int i = 0; i < 4; ++i) out[i] = s[i];
+}
+
+struct Layer {
+  at::Tensor in_norm, wqkv, bqkv, wo, bo, post_norm, wgu, wdown;
+};
+
+}  // namespace
+
+// Holds references to the weights and caches owned by the Python FastLlama and runs its forward.
+class FastLlamaKernel {
+ public:
+  FastLlamaKernel(int64_t hidden, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
+                  int64_t intermediate, double eps)
+      : H_(hidden), Hq_(n_heads), Hkv_(n_kv_heads), D_(head_dim), I_(intermediate),
+        eps_(static_cast<float>(eps)) {
+    TORCH_CHECK(n_heads % n_kv_heads == 0, "n_heads must be a multiple of n_kv_heads");
+  }
+
+  void add_layer(at::Tensor in_norm, at::Tensor wqkv, std::optional<at::Tensor> bqkv, at::Tensor wo,
+                 std::optional<at::Tensor> bo, at::Tensor post_norm, at::Tensor wgu,
+                 at::Tensor wdown) {
+    const int64_t qkv = (Hq_ + 2 * Hkv_) * D_;
+    check_weight(wqkv, qkv, H_);
+    check_weight(wo, H_, Hq_ * D_);
+    check_weight(wgu, 2 * I_, H_);
+    check_weight(wdown, H_, I_);
+    check_f32(in_norm, H_);
+    check_f32(post_norm, H_);
+    if (bqkv) check_f32(*bqkv, qkv);
+    if (bo) check_f32(*bo, H_);
+    layers_.push_back({in_norm, wqkv, bqkv.value_or(at::Tensor()), wo, bo.value_or(at::Tensor()),
+                       post_norm, wgu, wdown});
+  }
+
+  void set_head(at::Tensor embed, at::Tensor final_norm, at::Tensor head) {
+    TORCH_CHECK(embed.dim() == 2 && embed.size(1) == H_ && embed.is_contiguous(), "bad embedding");
+    TORCH_CHECK(embed.scalar_type() == at::kFloat || embed.scalar_type() == at::kBFloat16);
+    check_f32(final_norm, H_);
+    check_weight(head, head.size(0), H_);
+    embed_ = embed;
+    final_norm_ = final_norm;
+    head_ = head;
+  }
+
+  void set_rope(at::Tensor cos, at::Tensor sin) {
+    check_f32(cos, cos.numel());
+    check_f32(sin, cos.numel());
+    TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D_ && sin.sizes() == cos.sizes(), "bad rope table");
+    cos_ = cos;
+    sin_ = sin;
+  }
+
+  void set_cache(std::vector<at::Tensor> k, std::vector<at::Tensor> v) {
+    TORCH_CHECK(k.size() == layers_.size() && v.size() == layers_.size(), "one cache per layer");
+    for (size_t l = 0; l < k.size(); ++l) {
+      for (const auto* t : {&k[l], &v[l]}) {
+        TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 4 &&
+                        t->size(1) == Hkv_ && t->size(3) == D_ && t->sizes() == k[0].sizes(),
+                    "cache must be contiguous float32 [B, H_kv, S, D]");
+      }
+    }
+    kc_ = std::move(k);
+    vc_ = std::move(v);
+  }
+
+  // ids, slots, pos: [M] int64 (token, its batch row, its position). logit_rows: [R] int64 indices
+  // into the M tokens whose logits are wanted. Returns [R, V] float32.
+  at::Tensor forward(const at::Tensor& ids, const at::Tensor& slots, const at::Tensor& pos,
+                     const at::Tensor& logit_rows) {
+    for (const auto* t : {&ids, &slots, &pos, &logit_rows})
+      TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1);
+    TORCH_CHECK(!kc_.empty() && cos_.defined() && head_.defined(), "kernel not fully set up");
+    const int64_t M = ids.numel();
+    TORCH_CHECK(slots.numel() == M && pos.numel() == M);
+    const int64_t B = kc_[0].size(0), S = kc_[0].size(2);
+    const int64_t* id = ids.data_ptr<int64_t>();
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    const int64_t* ps = pos.data_ptr<int64_t>();
+    for (int64_t m = 0; m < M; ++m) {
+      TORCH_CHECK(id[m] >= 0 && id[m] < embed_.size(0), "token id out of range");
+      TORCH_CHECK(sl[m] >= 0 && sl[m] < B, "row out of range");
+      TORCH_CHECK(ps[m] >= 0 && ps[m] < S && ps[m] < cos_.size(0), "position out of range");
+    }
+    const bool bf = head_.scalar_type() == at::kBFloat16;
+    return bf ? run<bf16>(M, id, sl, ps, logit_rows) : run<float>(M, id, sl, ps, logit_rows);
+  }
+
+  // Exposed for tests and benchmarks: y = x @ w^T (+ bias), x [M, K] float32.
+  at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w, std::optional<at::Tensor> bias) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2);
+    check_weight(w, w.size(0), x.size(1));
+    auto y = at::empty({x.size(0), w.size(0)}, x.options());
+    const float* b = bias ? bias->data_ptr<float>() : nullptr;
+    if (w.scalar_type() == at::kBFloat16)
+      linear(x.data_ptr<float>(), x.size(0), x.size(1), wptr<bf16>(w), w.size(0), w.size(1), b,
+             y.data_ptr<float>(), y.size(1), false);
+    else
+      linear(x.data_ptr<float>(), x.size(0), x.size(1), wptr<float>(w), w.size(0), w.size(1), b,
+             y.data_ptr<float>(), y.size(1), false);
+    return y;
+  }
+
+ private:
+  template <typename WT>
+  static const WT* wptr(const at::Tensor& t) {
+    return reinterpret_cast<const WT*>(t.data_ptr());
+  }
+
+  static void check_f32(const at::Tensor& t, int64_t n) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == n,
+                "expected contiguous float32 with ", n, " elements");
+  }
+
+  void check_weight(const at::Tensor& w, int64_t n, int64_t k) const {
+    TORCH_CHECK(w.dim() == 2 && w.size(0) == n && w.size(1) == k && w.is_contiguous(),
+                "weight must be contiguous [", n, ", ", k, "]");
+    TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16,
+                "weights must be float32 or bfloat16");
+  }
+
+  static const float* opt(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
+
+  template <typename WT>
+  at::Tensor run(int64_t M, const int64_t* id, const int64_t* sl, const int64_t* ps,
+                 const at::Tensor& logit_rows) {
+    const int64_t H = H_, D = D_, QKV = (Hq_ + 2 * Hkv_) * D_, HQD = Hq_ * D_, I = I_;
+    x_.resize(M * H);
+    xn_.resize(M * H);
+    qkv_.resize(M * QKV);
+    att_.resize(M * HQD);
+    gu_.resize(M * 2 * I);
+    act_.resize(M * I);
+    float* x = x_.data();
+    float* xn = xn_.data();
+    float* qkv = qkv_.data();
+
+    const WT* emb = wptr<WT>(embed_);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < H; ++k) x[m * H + k] = to_f32(emb[id[m] * H + k]);
+
+    const float* cos = cos_.data_ptr<float>();
+    const float* sin = sin_.data_ptr<float>();
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const Layer& L = layers_[l];
+      rmsnorm(x, M, H, L.in_norm.data_ptr<float>(), eps_, xn);
+      linear(xn, M, H, wptr<WT>(L.wqkv), QKV, H, opt(L.bqkv), qkv, QKV, false);
+      write_kv(l, M, sl, ps, cos, sin);
+      attention(l, M, sl, ps);
+      linear(att_.data(), M, HQD, wptr<WT>(L.wo), H, HQD, opt(L.bo), x, H, true);
+      rmsnorm(x, M, H, L.post_norm.data_ptr<float>(), eps_, xn);
+      linear(xn, M, H, wptr<WT>(L.wgu), 2 * I, H, nullptr, gu_.data(), 2 * I, false);
+      for (int64_t m = 0; m < M; ++m) {
+        const float* g = gu_.data() + m * 2 * I;
+        float* a = act_.data() + m * I;
+        for (int64_t k = 0; k < I; ++k) a[k] = g[k] / (1.0f + std::exp(-g[k])) * g[I + k];
+      }
+      linear(act_.data(), M, I, wptr<WT>(L.wdown), H, I, nullptr, x, H, true);
+    }
+
+    const int64_t R = logit_rows.numel();
+    const int64_t* lr = logit_rows.data_ptr<int64_t>();
+    std::vector<float> sel(R * H);
+    for (int64_t r = 0; r < R; ++r) {
+      TORCH_CHECK(lr[r] >= 0 && lr[r] < M, "logit row out of range");
+      rmsnorm(x + lr[r] * H, 1, H, final_norm_.data_ptr<float>(), eps_, sel.data() + r * H);
+    }
+    const int64_t V = head_.size(0);
+    auto logits = at::empty({R, V}, at::kFloat);
+    if (R > 0) linear(sel.data(), R, H, wptr<WT>(head_), V, H, nullptr, logits.data_ptr<float>(), V, false);
+    return logits;
+  }
+
+  // RoPE on q and k in place, then k and v into the caches at (slot, head, pos).
+  void write_kv(size_t l, int64_t M, const int64_t* sl, const int64_t* ps, const float* cos,
+                const float* sin) {
+    const int64_t D = D_, QKV = (Hq_ + 2 * Hkv_) * D_, S = kc_[l].size(2);
+    float* kc = kc_[l].data_ptr<float>();
+    float* vc = vc_[l].data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m) {
+      float* row = qkv_.data() + m * QKV;
+      const float* c = cos + ps[m] * D;
+      const float* s = sin + ps[m] * D;
+      for (int64_t h = 0; h < Hq_ + Hkv_; ++h) rope(row + h * D, c, s, D);
+      for (int64_t g = 0; g < Hkv_; ++g) {
+        const int64_t off = ((sl[m] * Hkv_ + g) * S + ps[m]) * D;
+        std::memcpy(kc + off, row + (Hq_ + g) * D, D * sizeof(float));
+        std::memcpy(vc + off, row + (Hq_ + Hkv_ + g) * D, D * sizeof(float));
+      }
+    }
+  }
+
+  // Causal attention of each token over its own row's cache positions 0..pos. One work item per
+  // (token, head); keys beyond pos (other drafts, stale rejected tokens) are never read.
+  void attention(size_t l, int64_t M, const int64_t* sl, const int64_t* ps) {
+    const int64_t D = D_, QKV = (Hq_ + 2 * Hkv_) * D_, S = kc_[l].size(2), G = Hq_ / Hkv_;
+    const float* kc = kc_[l].data_ptr<float>();
+    const float* vc = vc_[l].data_ptr<float>();
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+    at::parallel_for(0, M * Hq_, 1, [&](int64_t u0, int64_t u1) {
+      std::vector<float> p(S);
+      std::vector<float> acc(D);
+      for (int64_t u = u0; u < u1; ++u) {
+        const int64_t m = u / Hq_, h = u % Hq_, g = h / G;
+        const float* q = qkv_.data() + m * QKV + h * D;
+        const float* K = kc + (sl[m] * Hkv_ + g) * S * D;
+        const float* Vv = vc + (sl[m] * Hkv_ + g) * S * D;
+        const int64_t n = ps[m] + 1;
+        int64_t j = 0;
+        for (; j + 4 <= n; j += 4) dot4(q, K + j * D, D, p.data() + j);
+        for (; j < n; ++j) p[j] = dot(q, K + j * D, D);
+        float mx = -std::numeric_limits<float>::infinity();
+        for (j = 0; j < n; ++j) {
+          p[j] *= scale;
+          mx = std::max(mx, p[j]);
+        }
+        float sum = 0.0f;
+        for (j = 0; j < n; ++j) {
+          p[j] = std::exp(p[j] - mx);
+          sum += p[j];
+        }
+        const float inv = 1.0f / sum;
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (j = 0; j < n; ++j) {
+          const float w = p[j] * inv;
+          const float* v = Vv + j * D;
+          int64_t d = 0;
+          const __m256 wv = _mm256_set1_ps(w);
+          for (; d + 8 <= D; d += 8)
+            _mm256_storeu_ps(acc.data() + d,
+                             _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + d), _mm256_loadu_ps(acc.data() + d)));
+          for (; d < D; ++d) acc[d] += w * v[d];
+        }
+        std::memcpy(att_.data() + m * Hq_ * D + h * D, acc.data(), D * sizeof(float));
+      }
+    });
+  }
+
+  int64_t H_, Hq_, Hkv_, D_, I_;
+  float eps_;
+  std::vector<Layer> layers_;
+  at::Tensor embed_, final_norm_, head_, cos_, sin_;
+  std::vector<at::Tensor> kc_, vc_;
+  std::vector<float> x_, xn_, qkv_, att_, gu_, act_;
+};
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<FastLlamaKernel>(m, "FastLlamaKernel")
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double>())
+      .def("add_layer", &FastLlamaKernel::add_layer)
+      .def("set_head", &FastLlamaKernel::set_head)
+      .def("set_rope", &FastLlamaKernel::set_rope)
+      .def("set_cache", &FastLlamaKernel::set_cache)
+      .def("forward", &FastLlamaKernel::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("linear", &FastLlamaKernel::linear_op);
+}

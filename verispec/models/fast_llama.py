@@ -1,0 +1,465 @@
+"""A fast ``KVModel`` for Llama-style decoders (Llama, SmolLM2, Mistral, Qwen2).
+
+The algorithm is the plain pre-norm Llama decoder (Touvron et al., 2023, "LLaMA: Open and Efficient
+Foundation Language Models"): RMSNorm, grouped-query attention with rotary position embeddings
+(Su et al., 2021, "RoFormer"), a SwiGLU MLP, tied or untied output head. Weights are taken from a
+loaded Hugging Face model and repacked: q/k/v fused into one ``[(H_q + 2 H_kv) D, hidden]`` matrix and
+gate/up into one ``[2 I, hidden]`` matrix, so one weight pass serves each.
+
+Two paths run the same model on the same preallocated caches:
+
+* the **kernel** path (``verispec/csrc/fast_llama.cpp``, AVX2/FMA, compiled at first use) runs the
+  whole forward in one C++ call. It is used for calls of at most ``kernel_max_tokens`` new tokens
+  per row: decoding and draft verification, where the cost is reading the weights once.
+* the **torch** path (matmuls and ``scaled_dot_product_attention``) is used for long prefills,
+  which are compute-bound, on non-CPU devices, and as the fallback when the kernel cannot be built
+  (no compiler, no AVX2, or ``VERISPEC_NO_KERNEL=1``).
+
+Exactness: on the kernel path every output element is reduced in an order that depends only on its
+own inputs, so a token's logits are bitwise identical whether it is fed alone or together with
+draft tokens (any ``T <= kernel_max_tokens``), in any batch, with any thread count. Speculative
+greedy decoding therefore equals plain greedy decoding token for token. The torch path matches the
+Hugging Face model to float32 rounding but its matmuls may pick different kernels for different
+``T``, so it only guarantees closeness, not bitwise equality.
+
+Cache invariant (see ``base.py``): row ``r`` holds ``lengths[r]`` tokens at positions
+``0 .. lengths[r] - 1`` of its slice of every ``[B, H_kv, S, D]`` cache; ``truncate`` only lowers the
+length, and the next write overwrites what lay past it. The attention of a query at position ``p``
+reads keys ``0 .. p`` only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from verispec.models.base import LogitsMode
+
+logger = logging.getLogger(__name__)
+
+_SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+# RoPE variants whose frequencies do not depend on the sequence length, so a precomputed table is
+# exact. ("dynamic" and "longrope" rescale with the length and are not supported.)
+_STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+_SRC = Path(__file__).resolve().parent.parent / "csrc" / "fast_llama.cpp"
+_kernel_module: Any = None
+_kernel_error: str | None = None
+
+
+def _load_kernel() -> Any:
+    """Compile (once per source version, cached under ~/.cache/verispec) and import the kernel.
+
+    Returns the extension module, or None (with one logged warning) when it cannot be built.
+    """
+    global _kernel_module, _kernel_error
+    if _kernel_module is not None or _kernel_error is not None:
+        return _kernel_module
+    try:
+        capability = torch.backends.cpu.get_cpu_capability()
+        if capability not in ("AVX2", "AVX512"):
+            raise RuntimeError(f"CPU capability is {capability}, the kernel needs AVX2 and FMA")
+        from torch.utils.cpp_extension import load
+
+        flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+        # The name carries the source hash so processes running different versions never share
+        # (or fight over) one build directory.
+        digest = hashlib.sha256(_SRC.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+        name = f"verispec_fast_llama_{digest}"
+        build = Path(os.environ.get("VERISPEC_CACHE", Path.home() / ".cache" / "verispec")) / name
+        build.mkdir(parents=True, exist_ok=True)
+        _kernel_module = load(
+            name=name,
+            sources=[str(_SRC)],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build),
+            verbose=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path"
+        _kernel_error = f"{type(exc).__name__}: {exc}"
+        logger.warning("verispec fast kernel unavailable, using torch matmuls: %s", _kernel_error)
+    return _kernel_module
+
+
+def kernel_available() -> bool:
+    """Whether the C++ kernel compiled and loaded on this machine (compiles it if needed)."""
+    return os.environ.get("VERISPEC_NO_KERNEL", "") in ("", "0") and _load_kernel() is not None
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm in float32: ``weight * (x * rsqrt(mean(x^2) + eps))``; x ``[..., hidden]``."""
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` in x's dtype; bfloat16-stored weights are widened exactly first."""
+    if weight.dtype != x.dtype:
+        weight = weight.to(x.dtype)
+    return F.linear(x, weight, bias)
+
+
+class FastLlama:
+    """Llama-family causal LM with a static per-row KV cache; implements ``KVModel``."""
+
+    kernel_max_tokens: int = 16
+    """Calls feeding at most this many tokens per row take the kernel path (bitwise T-independent)."""
+    prefill_chunk: int = 512
+    """Longer torch-path calls are split into chunks of this many tokens to bound activations."""
+
+    def __init__(
+        self,
+        config: Any,
+        weights: dict[str, Any],
+        *,
+        tokenizer: object | None,
+        dtype: str,
+        max_batch_size: int,
+        max_length: int,
+        use_kernel: bool,
+    ) -> None:
+        """Use ``from_hf``; ``weights`` is the repacked dict that it builds."""
+        self.config = config
+        self.tokenizer = tokenizer
+        self.dtype = dtype
+        self.max_length = max_length
+        self.vocab_size: int = config.vocab_size
+        self.device: torch.device = weights["embed"].device
+        self._w = weights
+        self._eps = float(config.rms_norm_eps)
+        self._n_layers = len(weights["layers"])
+        self._n_heads = config.num_attention_heads
+        self._n_kv = config.num_key_value_heads
+        self._head_dim = weights["cos"].shape[1]
+        self._capacity = 0
+        self._batch = 0
+        self._lengths = torch.zeros(0, dtype=torch.int64)
+        self.k_cache: list[torch.Tensor] = []
+        self.v_cache: list[torch.Tensor] = []
+        self._kernel: Any = None
+        if use_kernel:
+            self._kernel = self._build_kernel()
+        self.reset(max_batch_size)
+
+    # ----------------------------------------------------------------------------------- loading
+
+    @staticmethod
+    def supports(hf_model: Any) -> bool:
+        """True when ``hf_model`` is a Llama-style decoder this class reproduces exactly."""
+        config = getattr(hf_model, "config", None)
+        if config is None or getattr(config, "model_type", None) not in _SUPPORTED_TYPES:
+            return False
+        if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "mlp_bias", False):
+            return False
+        rope = getattr(config, "rope_parameters", None) or {}
+        if rope.get("rope_type", "default") not in _STATIC_ROPE:
+            return False
+        inner = getattr(hf_model, "model", None)
+        if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+            return False
+        head_dim = _head_dim(config)
+        return head_dim % 2 == 0 and config.num_attention_heads % config.num_key_value_heads == 0
+
+    @classmethod
+    def from_hf(
+        cls,
+        hf_model: Any,
+        tokenizer: object | None = None,
+        dtype: str = "float32",
+        max_batch_size: int = 1,
+        max_length: int | None = None,
+        use_kernel: bool | None = None,
+    ) -> FastLlama:
+        """Repack a loaded HF ``LlamaForCausalLM``/``MistralForCausalLM``/``Qwen2ForCausalLM``.
+
+        Args:
+            hf_model: the loaded model (any weight source: safetensors, GGUF-dequantised, ...).
+            tokenizer: kept as ``self.tokenizer``.
+            dtype: "float32" (exact w.r.t. the HF model) or "bfloat16" (weights rounded to bf16 and
+                widened in the kernel: half the memory traffic; activations stay float32).
+            max_batch_size: rows to preallocate caches for (``reset`` can grow them).
+            max_length: context cap; defaults to ``config.max_position_embeddings``.
+            use_kernel: None = use the C++ kernel when it builds (and ``VERISPEC_NO_KERNEL`` is unset);
+                False forces the torch path.
+        """
+        if not cls.supports(hf_model):
+            raise ValueError(f"FastLlama does not support {type(hf_model).__name__}")
+        if dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', not {dtype!r}")
+        config = hf_model.config
+        limit = int(config.max_position_embeddings)
+        if _uses_sliding_window(config):
+            # Below the window, sliding-window attention is plain causal attention; capping the
+            # context keeps us exact without a windowed mask.
+            limit = min(limit, int(config.sliding_window))
+        max_length = limit if max_length is None else min(int(max_length), limit)
+        weights = _repack(hf_model, getattr(torch, dtype), max_length)
+        device = weights["embed"].device
+        if use_kernel is None:
+            use_kernel = os.environ.get("VERISPEC_NO_KERNEL", "") in ("", "0")
+        use_kernel = bool(use_kernel) and device.type == "cpu" and _load_kernel() is not None
+        return cls(
+            config,
+            weights,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            max_batch_size=max_batch_size,
+            max_length=max_length,
+            use_kernel=use_kernel,
+        )
+
+    def _build_kernel(self) -> Any:
+        """Hand the (shared, not copied) weight tensors to a C++ ``FastLlamaKernel``."""
+        w = self._w
+        k = _load_kernel().FastLlamaKernel(
+            self.config.hidden_size,
+            self._n_heads,
+            self._n_kv,
+            self._head_dim,
+            self.config.intermediate_size,
+            self._eps,
+        )
+        for lw in w["layers"]:
+            k.add_layer(
+                lw["in_norm"], lw["wqkv"], lw["bqkv"], lw["wo"], lw["bo"],
+                lw["post_norm"], lw["wgu"], lw["wdown"],
+            )  # fmt: skip
+        k.set_head(w["embed"], w["norm"], w["head"])
+        k.set_rope(w["cos"], w["sin"])
+        return k
+
+    @property
+    def uses_kernel(self) -> bool:
+        """Whether short calls run on the C++ kernel (False: torch fallback everywhere)."""
+        return self._kernel is not None
+
+    # ------------------------------------------------------------------------------ KVModel API
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Tokens held per row, ``[batch_size]`` int64 on the CPU (a copy)."""
+        return self._lengths[: self._batch].clone()
+
+    def reset(self, batch_size: int) -> None:
+        """Empty every row; grows the ``[B, H_kv, S, D]`` caches when ``batch_size`` exceeds them.
+
+        Old cache contents are not cleared: every position past a row's length is masked.
+        """
+        if batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        if batch_size > self._capacity:
+            shape = (batch_size, self._n_kv, self.max_length, self._head_dim)
+            # Zeros, not empty: the torch path reads (masked) positions past a row's length, and
+            # uninitialised NaNs would leak through softmax weights of exactly 0.
+            self.k_cache = [
+                torch.zeros(shape, device=self.device) for _ in range(self._n_layers)
+            ]  # fmt: skip
+            self.v_cache = [
+                torch.zeros(shape, device=self.device) for _ in range(self._n_layers)
+            ]  # fmt: skip
+            self._capacity = batch_size
+            if self._kernel is not None:
+                self._kernel.set_cache(self.k_cache, self.v_cache)
+        self._batch = batch_size
+        self._lengths = torch.zeros(self._capacity, dtype=torch.int64)
+
+    def truncate(self, lengths: torch.Tensor, rows: list[int] | None = None) -> None:
+        """Roll back: row ``rows[i]`` keeps its first ``lengths[i]`` tokens (``[n]`` int64)."""
+        idx = self._rows(rows)
+        new = torch.as_tensor(lengths, dtype=torch.int64).reshape(-1)
+        if new.numel() != idx.numel():
+            raise ValueError(f"{new.numel()} lengths for {idx.numel()} rows")
+        if bool((new < 0).any()) or bool((new > self._lengths[idx]).any()):
+            raise ValueError("truncate can only shorten rows")
+        self._lengths[idx] = new
+
+    def forward(
+        self, input_ids: torch.Tensor, rows: list[int] | None = None, logits: LogitsMode = "all"
+    ) -> torch.Tensor | None:
+        """Append ``input_ids`` ``[n, T]`` to ``rows`` and return logits (see ``KVModel.forward``).
+
+        Returns ``[n, T, V]`` for "all", ``[n, V]`` for "last", None for "none"; float32.
+        """
+        if logits not in ("all", "last", "none"):
+            raise ValueError(f"logits must be 'all', 'last' or 'none', not {logits!r}")
+        idx = self._rows(rows)
+        ids = torch.as_tensor(input_ids).to(dtype=torch.int64)
+        if ids.dim() != 2 or ids.shape[0] != idx.numel():
+            raise ValueError(f"input_ids must be [{idx.numel()}, T], got {tuple(ids.shape)}")
+        n, T = ids.shape
+        starts = self._lengths[idx]  # [n]
+        if T == 0:
+            return None if logits == "none" else self._empty_logits(n, logits)
+        if int(starts.max()) + T > self.max_length:
+            raise ValueError(f"a row would exceed max_length={self.max_length}")
+        if self._kernel is not None and T <= self.kernel_max_tokens:
+            out = self._forward_kernel(ids, idx, starts, logits)
+        else:
+            out = self._forward_chunked(ids, idx, starts, logits)
+        self._lengths[idx] = starts + T
+        return out
+
+    __call__ = forward
+
+    # ---------------------------------------------------------------------------------- internals
+
+    def _rows(self, rows: list[int] | None) -> torch.Tensor:
+        """Validated row indices ``[n]`` int64 (all rows when None)."""
+        if rows is None:
+            return torch.arange(self._batch)
+        idx = torch.as_tensor(rows, dtype=torch.int64).reshape(-1)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self._batch):
+            raise ValueError(f"rows {rows} out of range for batch size {self._batch}")
+        if idx.unique().numel() != idx.numel():
+            raise ValueError(f"rows {rows} contain duplicates")
+        return idx
+
+    def _empty_logits(self, n: int, logits: LogitsMode) -> torch.Tensor:
+        shape = (n, 0, self.vocab_size) if logits == "all" else (n, self.vocab_size)
+        return torch.zeros(shape)
+
+    def _forward_kernel(
+        self, ids: torch.Tensor, idx: torch.Tensor, starts: torch.Tensor, logits: LogitsMode
+    ) -> torch.Tensor | None:
+        """One C++ call; token ``(i, t)`` is row ``idx[i]`` at position ``starts[i] + t``."""
+        n, T = ids.shape
+        pos = (starts[:, None] + torch.arange(T)).reshape(-1)  # [n*T]
+        slots = idx.repeat_interleave(T)  # [n*T]
+        if logits == "all":
+            wanted = torch.arange(n * T)
+        elif logits == "last":
+            wanted = torch.arange(T - 1, n * T, T)
+        else:
+            wanted = torch.zeros(0, dtype=torch.int64)
+        out = self._kernel.forward(ids.reshape(-1).contiguous(), slots, pos, wanted)
+        if logits == "none":
+            return None
+        return out.view(n, T, -1) if logits == "all" else out
+
+    def _forward_chunked(
+        self, ids: torch.Tensor, idx: torch.Tensor, starts: torch.Tensor, logits: LogitsMode
+    ) -> torch.Tensor | None:
+        """Torch path, ``prefill_chunk`` tokens at a time; lengths are advanced by the caller."""
+        T = ids.shape[1]
+        pieces = []
+        for c0 in range(0, T, self.prefill_chunk):
+            c1 = min(T, c0 + self.prefill_chunk)
+            mode: LogitsMode = logits if (logits == "all" or c1 == T) else "none"
+            out = self._forward_torch(ids[:, c0:c1].to(self.device), idx, starts + c0, mode)
+            if out is not None:
+                pieces.append(out)
+        if logits == "none":
+            return None
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+
+    def _forward_torch(
+        self, ids: torch.Tensor, idx: torch.Tensor, starts: torch.Tensor, logits: LogitsMode
+    ) -> torch.Tensor | None:
+        """Matmul + SDPA forward of ``ids`` ``[n, T]`` at positions ``starts[i] + t``."""
+        w = self._w
+        n, T = ids.shape
+        Hq, Hkv, D = self._n_heads, self._n_kv, self._head_dim
+        dev = self.device
+        pos = (starts[:, None] + torch.arange(T)).to(dev)  # [n, T]
+        span = int(starts.max()) + T  # keys any query may see
+        idx_d = idx.to(dev)
+        # mask[i, 0, t, j]: query t of row i may attend to key position j.
+        mask = (torch.arange(span, device=dev)[None, None, :] <= pos[:, :, None])[:, None]
+        cos = w["cos"][pos][:, :, None, :]  # [n, T, 1, D]
+        sin = w["sin"][pos][:, :, None, :]
+        contiguous = bool((idx == torch.arange(int(idx[0]), int(idx[0]) + n)).all())
+        x = w["embed"][ids.to(dev)].float()  # [n, T, hidden]
+        for layer, kc, vc in zip(w["layers"], self.k_cache, self.v_cache, strict=True):
+            h = _rms_norm(x, layer["in_norm"], self._eps)
+            qkv = _linear(h, layer["wqkv"], layer["bqkv"])  # [n, T, (Hq + 2 Hkv) D]
+            q, k, v = qkv.view(n, T, Hq + 2 * Hkv, D).split([Hq, Hkv, Hkv], dim=2)
+            q = q * cos + _rotate_half(q) * sin  # [n, T, Hq, D]
+            k = k * cos + _rotate_half(k) * sin  # [n, T, Hkv, D]
+            kc[idx_d[:, None], :, pos] = k  # scatter into [B, Hkv, S, D] at (row, :, pos)
+            vc[idx_d[:, None], :, pos] = v
+            if contiguous:
+                i0 = int(idx[0])
+                keys, values = kc[i0 : i0 + n, :, :span], vc[i0 : i0 + n, :, :span]
+            else:
+                keys, values = kc[idx_d, :, :span], vc[idx_d, :, :span]  # [n, Hkv, span, D]
+            att = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys, values, attn_mask=mask, scale=D**-0.5, enable_gqa=True
+            )  # [n, Hq, T, D]
+            x = x + _linear(att.transpose(1, 2).reshape(n, T, Hq * D), layer["wo"], layer["bo"])
+            h = _rms_norm(x, layer["post_norm"], self._eps)
+            gate, up = _linear(h, layer["wgu"]).chunk(2, dim=-1)  # [n, T, I] each
+            x = x + _linear(F.silu(gate) * up, layer["wdown"])
+        if logits == "none":
+            return None
+        if logits == "last":
+            x = x[:, -1]  # [n, hidden]: only the last position pays for the vocab projection
+        return _linear(_rms_norm(x, w["norm"], self._eps), w["head"]).float()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """HF's rotate_half: ``cat(-x2, x1)`` over the last dim of ``x`` ``[..., D]``."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _uses_sliding_window(config: Any) -> bool:
+    if getattr(config, "sliding_window", None) is None:
+        return False
+    if config.model_type == "qwen2":
+        return "sliding_attention" in (getattr(config, "layer_types", None) or [])
+    return True
+
+
+def _repack(hf_model: Any, dtype: torch.dtype, max_length: int) -> dict[str, Any]:
+    """Fused, contiguous weights in ``dtype`` (norms, biases and RoPE tables stay float32)."""
+    inner = hf_model.model
+
+    def mat(*ts: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t.detach().float() for t in ts], dim=0).to(dtype).contiguous()
+
+    def vec(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.detach().float().contiguous()
+
+    layers = []
+    for blk in inner.layers:
+        att, mlp = blk.self_attn, blk.mlp
+        bias = [p.bias for p in (att.q_proj, att.k_proj, att.v_proj)]
+        layers.append(
+            {
+                "in_norm": vec(blk.input_layernorm.weight),
+                "wqkv": mat(att.q_proj.weight, att.k_proj.weight, att.v_proj.weight),
+                "bqkv": None if bias[0] is None else torch.cat([vec(b) for b in bias]),
+                "wo": mat(att.o_proj.weight),
+                "bo": vec(att.o_proj.bias),
+                "post_norm": vec(blk.post_attention_layernorm.weight),
+                "wgu": mat(mlp.gate_proj.weight, mlp.up_proj.weight),
+                "wdown": mat(mlp.down_proj.weight),
+            }
+        )
+    embed = mat(inner.embed_tokens.weight)
+    lm_head = hf_model.get_output_embeddings().weight
+    tied = lm_head.data_ptr() == inner.embed_tokens.weight.data_ptr()
+    head = embed if tied else mat(lm_head)
+    # Same arithmetic as HF's rotary embedding: float32 position * inv_freq, cos/sin, then the
+    # attention scaling, so the tables are bitwise HF's.
+    rot = inner.rotary_emb
+    positions = torch.arange(max_length, dtype=torch.float32, device=rot.inv_freq.device)
+    freqs = positions[:, None] * rot.inv_freq.float()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [S, D]
+    return {
+        "layers": layers,
+        "embed": embed,
+        "head": head,
+        "norm": vec(inner.norm.weight),
+        "cos": (emb.cos() * rot.attention_scaling).contiguous(),
+        "sin": (emb.sin() * rot.attention_scaling).contiguous(),
+    }
