@@ -28,7 +28,12 @@ class Verdict:
 
 
 def uniforms(generators: Sequence[torch.Generator | None], count: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[B, count]`` uniforms in [0, 1), row b drawn from its own generator (a seed reproduces a row)."""
+    """``[B, count]`` uniforms in [0, 1), row b drawn from its own generator (a seed reproduces a row).
+
+    When no row has a generator, one vectorised draw from the global generator serves all.
+    """
+    if all(g is None for g in generators):
+        return torch.rand(len(generators), count, dtype=dtype)
     return torch.stack([torch.rand(count, generator=g, dtype=dtype) for g in generators])
 
 

@@ -1,0 +1,106 @@
+"""The rejection sampler as a pure function: exact greedy cases and its output law."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from verispec.rejection import inverse_cdf, rejection_sample
+
+V = 6
+
+
+def one_hot_logits(tokens: list[int]) -> torch.Tensor:
+    """``[1, len, V]`` logits of +100 at each token and -100 elsewhere."""
+    out = torch.full((1, len(tokens), V), -100.0)
+    for i, t in enumerate(tokens):
+        out[0, i, t] = 100.0
+    return out
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(logits.double(), dim=-1)
+
+
+@pytest.mark.parametrize(
+    ("draft", "target", "accepted", "emitted"),
+    [
+        ([1, 2, 3], [1, 2, 3, 4], 3, [1, 2, 3, 4]),  # all accepted + bonus
+        ([1, 2, 3], [1, 5, 3, 4], 1, [1, 5]),  # rejected at 1: recovered = target's token
+        ([0, 2, 3], [1, 2, 3, 4], 0, [1]),  # rejected at once
+        ([1], [1, 0], 1, [1, 0]),
+    ],
+)
+def test_greedy_cases(draft, target, accepted, emitted):
+    draft_tokens = torch.tensor([draft])
+    draft_probs = greedy(one_hot_logits(draft))
+    target_probs = greedy(one_hot_logits(target))
+    verdict = rejection_sample(draft_tokens, draft_probs, target_probs, torch.tensor([len(draft)]), [None])
+    assert int(verdict.num_accepted[0]) == accepted
+    assert verdict.tokens[0, : accepted + 1].tolist() == emitted
+    assert (verdict.tokens[0, accepted + 1 :] == -1).all()
+
+
+def test_point_mass_draft_greedy_and_partial_rows():
+    """Point-mass drafts (None probs) and rows with fewer real drafts than k."""
+    draft_tokens = torch.tensor([[1, 2, 3], [1, 2, 3]])
+    target_probs = greedy(torch.cat([one_hot_logits([1, 2, 3, 4]), one_hot_logits([1, 2, 0, 4])]))
+    verdict = rejection_sample(draft_tokens, None, target_probs, torch.tensor([3, 1]), [None, None])
+    assert verdict.num_accepted.tolist() == [3, 1]
+    assert verdict.tokens[0].tolist() == [1, 2, 3, 4]
+    assert verdict.tokens[1].tolist() == [1, 2, -1, -1]  # only one real draft: bonus after it
+
+
+def first_token_law(draft_probs: torch.Tensor, target_probs: torch.Tensor, n: int, point_mass: bool = False):
+    """Empirical law of the first emitted token over ``n`` independent rows (draft token ~ draft_probs)."""
+    torch.manual_seed(1234)
+    draft_tokens = torch.multinomial(draft_probs, n, replacement=True)[:, None]  # [n, 1]
+    dp = None if point_mass else draft_probs.expand(n, 1, V)
+    tp = target_probs.expand(n, 2, V)
+    verdict = rejection_sample(draft_tokens, dp, tp, torch.ones(n, dtype=torch.int64), [None] * n)
+    return torch.bincount(verdict.tokens[:, 0], minlength=V).double() / n
+
+
+def assert_law(empirical: torch.Tensor, exact: torch.Tensor, n: int, sigmas: float = 5.0) -> None:
+    """Each cell within ``sigmas`` standard errors (Bonferroni-safe for a handful of cells)."""
+    se = torch.sqrt(exact * (1 - exact) / n).clamp_min(1.0 / n)
+    z = ((empirical - exact).abs() / se).max().item()
+    assert z < sigmas, f"max z-score {z:.1f}: empirical {empirical.tolist()} vs exact {exact.tolist()}"
+
+
+def test_first_token_follows_target_law():
+    n = 200_000
+    draft = torch.tensor([0.5, 0.2, 0.1, 0.1, 0.05, 0.05], dtype=torch.float64)
+    target = torch.tensor([0.1, 0.1, 0.2, 0.3, 0.3, 0.0], dtype=torch.float64)
+    emp = first_token_law(draft, torch.stack([target, target]), n)
+    assert_law(emp, target, n)
+
+
+def test_point_mass_first_token_follows_target_law():
+    """A drafter without probabilities is a point mass at its token: still exact."""
+    n = 200_000
+    target = torch.tensor([0.1, 0.1, 0.2, 0.3, 0.3, 0.0], dtype=torch.float64)
+    draft = torch.zeros(V, dtype=torch.float64)
+    draft[3] = 1.0
+    emp = first_token_law(draft, torch.stack([target, target]), n, point_mass=True)
+    assert_law(emp, target, n)
+
+
+def test_inverse_cdf_never_picks_zero_probability():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5]] * 4, dtype=torch.float64)
+    u = torch.tensor([0.0, 0.4999, 0.5, 0.999999], dtype=torch.float64)
+    assert inverse_cdf(probs, u).tolist() == [1, 1, 3, 3]
+
+
+def test_seeded_rows_are_reproducible():
+    gens = [torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)]
+    draft_probs = torch.full((2, 3, V), 1.0 / V, dtype=torch.float64)
+    target_probs = torch.softmax(torch.randn(2, 4, V, dtype=torch.float64), dim=-1)
+    toks = torch.randint(0, V, (2, 3))
+    a = rejection_sample(toks, draft_probs, target_probs, torch.tensor([3, 3]), gens)
+    gens = [torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)]
+    b = rejection_sample(toks, draft_probs, target_probs, torch.tensor([3, 3]), gens)
+    assert torch.equal(a.tokens, b.tokens)
+    assert math.isclose(float(a.num_accepted.sum()), float(b.num_accepted.sum()))
