@@ -1,0 +1,153 @@
+"""``verispec bench`` end to end on a tiny model, its pieces, and its refusals of bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from verispec.adaptive import expected_speedup
+from verispec.bench.cli import build_configs
+from verispec.bench.measure import conditional_acceptance, draft_fraction, predicted_speedup
+from verispec.bench.methods import MethodConfig
+from verispec.bench.prompts import default_prompts_path, load_prompts, select
+from verispec.cli import main
+from verispec.stats import GenerationStats
+
+ROW_FIELDS = set(
+    "method category num_speculative_tokens prompts new_tokens seconds tokens_per_second "
+    "decode_tokens_per_second speedup acceptance_rate mean_accepted_length outputs_match_baseline "
+    "predicted_speedup relative_to_autoregressive".split()
+)
+
+
+@pytest.fixture
+def prompts_file(tmp_path: Path) -> Path:
+    """Two questions in Spec-Bench's format, one repetitive (prompt lookup finds matches)."""
+    rows = [
+        {"question_id": 1, "category": "summarization",
+         "turns": ["Summarize: the cat sat on the mat. The cat sat on the mat. The cat sat.", "again"]},
+        {"question_id": 2, "category": "coding", "turns": ["Write a Python function that adds two numbers."]},
+    ]  # fmt: skip
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_bench_writes_results_table_and_plots(tiny_model_folder, prompts_file, tmp_path, capsys):
+    out = tmp_path / "out"
+    code = main([
+        "bench", "--model", str(tiny_model_folder), "--prompts", str(prompts_file), "--max-new-tokens", "8",
+        "--methods", "autoregressive,prompt-lookup,hf-generate,llama.cpp", "-k", "2,3", "--out", str(out),
+        "--no-progress",
+    ])  # fmt: skip
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    top = {
+        "machine",
+        "config",
+        "rows",
+        "verify_cost_ratio",
+        "bandwidth_bound_tokens_per_second",
+        "memory_bytes",
+    }
+    assert top <= set(results)
+    assert results["verify_cost_ratio"] > 0 and results["bandwidth_bound_tokens_per_second"] > 0
+    rows = results["rows"]
+    for row in rows:
+        assert ROW_FIELDS <= set(row), ROW_FIELDS - set(row)
+    # every config on every category plus "all"; llama.cpp is skipped (the target is no GGUF) with a note
+    labels = {r["label"] for r in rows}
+    plain, lookup = {"autoregressive", "hf-generate"}, {"prompt-lookup k=2", "prompt-lookup k=3"}
+    assert labels == plain | lookup | {"prompt-lookup k=3 adaptive"}
+    assert {r["category"] for r in rows} == {"summarization", "coding", "all"}
+    assert any("llama.cpp" in n for n in results["notes"])
+    # lossless: greedy speculative output equals plain greedy output on every prompt
+    for row in rows:
+        if row["method"] == "prompt-lookup":
+            assert row["outputs_match_baseline"] is True
+            assert row["acceptance_by_position"] is not None
+        if row["method"] == "autoregressive":
+            assert row["speedup"] == pytest.approx(1.0)
+    summ = next(r for r in rows if r["label"] == "prompt-lookup k=3" and r["category"] == "summarization")
+    assert summ["prompts"] == 1 and 1 <= summ["new_tokens"] <= 8
+    for name in ("speedup_by_category.png", "acceptance_by_position.png", "speedup_vs_k.png"):
+        assert (out / name).read_bytes()[:4] == b"\x89PNG"
+    table = (out / "results.md").read_text()
+    assert "| summarization | prompt-lookup k=2 |" in table
+    assert "prompt-lookup k=2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--methods", "autoregressive,medusa"], "unknown methods medusa"),
+        (["--categories", "poetry"], "unknown categories poetry"),
+        (["--per-category", "0"], "--per-category"),
+        (["-k", "0"], "--num-speculative-tokens"),
+        (["-k", "two"], "--num-speculative-tokens"),
+        (["--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--temperature", "-1"], "temperature"),
+    ],
+)
+def test_bad_input_exits_2(prompts_file, tmp_path, capsys, extra, message):
+    code = main(["bench", "--prompts", str(prompts_file), "--out", str(tmp_path / "o"), *extra])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and not (tmp_path / "o").exists()
+
+
+def test_missing_prompt_file_exits_2(tmp_path, capsys):
+    assert main(["bench", "--prompts", str(tmp_path / "nope.jsonl")]) == 2
+    assert "prompt file not found" in capsys.readouterr().err
+
+
+def test_select_takes_first_n_of_each_category_and_first_turn(prompts_file):
+    prompts = load_prompts(prompts_file)
+    assert [p.category for p in prompts] == ["summarization", "coding"]
+    assert prompts[0].text.startswith("Summarize") and "again" not in prompts[0].text
+    assert [p.question_id for p in select(prompts, ["coding"], 1)] == ["2"]
+    assert len(select(prompts, None, None)) == 2
+
+
+def test_default_prompt_file_is_spec_bench():
+    path = default_prompts_path()
+    if not path.is_file():
+        pytest.skip("the shared Spec-Bench file is not in this checkout's parent")
+    prompts = load_prompts()
+    assert len(prompts) == 480 and len({p.category for p in prompts}) == 13
+    assert len(select(prompts, ["rag", "coding"], 3)) == 6
+
+
+def test_configs_bring_their_baselines():
+    configs = build_configs(["prompt-lookup", "hf-prompt-lookup"], [2, 4, 8], ["float32", "bfloat16"], "add")
+    labels = [c.label for c in configs]
+    assert labels[:2] == ["autoregressive", "autoregressive [bfloat16]"]
+    assert "prompt-lookup k=4 adaptive" in labels and "prompt-lookup k=8 [bfloat16]" in labels
+    assert "hf-generate" in labels and "hf-prompt-lookup k=8" in labels
+    assert "hf-prompt-lookup k=4 adaptive" not in labels  # adaptive k is ours only
+    bf16 = MethodConfig("prompt-lookup", 4, dtype="bfloat16")
+    assert bf16.baseline == MethodConfig("autoregressive", dtype="bfloat16")
+    only = build_configs(["prompt-lookup"], [2, 4], ["float32"], "only")
+    assert [c.label for c in only] == ["autoregressive", "prompt-lookup k=4 adaptive"]
+
+
+def test_expected_speedup_model():
+    # every step drafts: the paper's formula
+    assert predicted_speedup(0.8, 4, 0.1, 1.2) == pytest.approx(expected_speedup(0.8, 4, 0.1, 1.2))
+    # no step drafts: plain decoding
+    assert predicted_speedup(0.8, 4, 0.0, 1.2, fraction=0.0) == 1.0
+    # half the steps draft 2 tokens, always accepted, free verification: (3 + 1) / (1 + 1) tokens per cost
+    assert predicted_speedup(1.0, 2, 0.0, 1.0, fraction=0.5) == pytest.approx(2.0, rel=1e-4)
+
+
+def test_conditional_acceptance_counts_only_reached_positions():
+    stats = GenerationStats()
+    stats.record_step(4, 1)  # accepted position 0, rejected position 1: positions 2, 3 never reached
+    stats.record_step(4, 4)
+    stats.record_step(0, 0)
+    # reached: pos0 2, pos1 2, pos2 1, pos3 1 = 6; accepted 5
+    assert conditional_acceptance(stats) == pytest.approx(5 / 6)
+    assert stats.acceptance_rate == pytest.approx(5 / 8)
+    assert draft_fraction(stats) == pytest.approx(2 / 3)

@@ -1,0 +1,376 @@
+"""Benchmark speculative methods and peers on Spec-Bench prompts; write results.json, a table and plots.
+
+Every method runs on the same prompts in the same run, interleaved prompt by prompt; speedups are
+against the same engine's plain decoding. Peers: transformers ``generate`` (plain, prompt lookup,
+assisted) and llama.cpp (plain, prompt lookup) when llama-cpp-python is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from verispec.bench.measure import (
+    conditional_acceptance,
+    draft_fraction,
+    forward_seconds,
+    lookup_seconds,
+    machine_info,
+    memory_bandwidth,
+    predicted_speedup,
+    verify_costs,
+    weight_bytes,
+)
+from verispec.bench.methods import METHODS, OURS, SPECULATIVE, MethodConfig, Sampling, run_ours
+from verispec.bench.peers import HFPeer, LlamaCppPeer, llama_cpp_available
+from verispec.bench.prompts import load_prompts, select
+from verispec.bench.report import markdown, plot_all
+from verispec.bench.runner import ALL, aggregate, run_interleaved
+from verispec.commands.common import add_sampling_arguments, sampling_config
+from verispec.config import ConfigError
+from verispec.proposers import DraftModelProposer, PromptLookup
+from verispec.stats import GenerationStats
+
+DEFAULT_METHODS = ",".join(METHODS)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``verispec bench``."""
+    p.add_argument(
+        "--prompts",
+        default=None,
+        help="Spec-Bench-format .jsonl (default ../shared/data/spec_bench/question.jsonl from the repo)",
+    )
+    p.add_argument("--categories", default=None, help="comma list (default: every category in the file)")
+    p.add_argument(
+        "--per-category", type=int, default=None, help="first N prompts of each category (default all)"
+    )
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    add_sampling_arguments(p)
+    p.add_argument(
+        "--model", default="default", help="target: packaged name, .gguf file, HF folder or hub id"
+    )
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        help="draft for draft-model and hf-assisted (default: the shipped draft, if any)",
+    )
+    p.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma list from: {DEFAULT_METHODS}")
+    p.add_argument(
+        "--num-speculative-tokens",
+        "-k",
+        default="4",
+        help="draft length, or a comma list of them to sweep (e.g. 2,4,8)",
+    )
+    p.add_argument(
+        "--adaptive",
+        choices=["none", "add", "only"],
+        default="add",
+        help="adaptive-k rows for our speculative methods (start k: the middle of the sweep)",
+    )
+    p.add_argument(
+        "--confidence-threshold",
+        type=float,
+        default=0.0,
+        help="adaptive draft-model rows stop drafting below this draft confidence",
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        help="our weight format(s), comma list; each gets its own plain baseline",
+    )
+    p.add_argument("--backend", default="auto", choices=["auto", "fast", "hf"])
+    p.add_argument("--out", default="bench-results", help="output folder")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _int_list(text: str, name: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as exc:
+        raise ConfigError(f"{name} must be an integer or a comma list of integers, got {text!r}") from exc
+    if not values or any(v < 1 or v > 64 for v in values):
+        raise ConfigError(f"{name} values must lie in 1..64, got {text!r}")
+    return sorted(dict.fromkeys(values))
+
+
+def _names(text: str | None) -> list[str]:
+    return [v.strip() for v in (text or "").split(",") if v.strip()]
+
+
+def parse_options(args: argparse.Namespace) -> tuple[list[str], list[int], list[str]]:
+    """Validated (methods, k values, dtypes); raises ConfigError before anything loads."""
+    methods = _names(args.methods)
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise ConfigError(
+            f"unknown methods {', '.join(unknown) or '(none given)'}; choose from {DEFAULT_METHODS}"
+        )
+    ks = _int_list(args.num_speculative_tokens, "--num-speculative-tokens")
+    dtypes = _names(args.dtype) or ["float32"]
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not 0.0 <= args.confidence_threshold < 1.0:
+        raise ConfigError(f"--confidence-threshold must lie in [0, 1), got {args.confidence_threshold}")
+    return methods, ks, dtypes
+
+
+def build_configs(methods: list[str], ks: list[int], dtypes: list[str], adaptive: str) -> list[MethodConfig]:
+    """Every column of the run; our plain decoding in each dtype always comes along (the baseline)."""
+    configs = [MethodConfig("autoregressive", dtype=d) for d in dtypes]
+    start_k = ks[len(ks) // 2]
+    for m in methods:
+        if m == "autoregressive":
+            continue
+        for d in dtypes if m in OURS else ["float32"]:
+            if m not in SPECULATIVE:
+                configs.append(MethodConfig(m))
+                continue
+            if adaptive != "only" or m not in OURS:
+                configs.extend(MethodConfig(m, k, dtype=d) for k in ks)
+            if adaptive != "none" and m in OURS:
+                configs.append(MethodConfig(m, start_k, adaptive=True, dtype=d))
+    base_peers = {
+        "hf-prompt-lookup": "hf-generate",
+        "hf-assisted": "hf-generate",
+        "llama.cpp-prompt-lookup": "llama.cpp",
+    }
+    for m, base in base_peers.items():  # a peer's speedup needs its own plain decoding
+        if m in methods and MethodConfig(base) not in configs:
+            configs.append(MethodConfig(base))
+    return list(dict.fromkeys(configs))
+
+
+def _load_targets(args: argparse.Namespace, dtypes: list[str]) -> dict[str, object]:
+    from verispec.models.loading import load_model, wrap
+
+    targets: dict[str, object] = {}
+    for d in dtypes:
+        try:
+            if not targets:
+                targets[d] = load_model(args.model, backend=args.backend, dtype=d)
+            else:
+                first = next(iter(targets.values()))
+                kv = wrap(first.hf_model, first.tokenizer, backend=args.backend, dtype=d)
+                kv.name, kv.instruct = first.name, first.instruct
+                targets[d] = kv
+        except ValueError as exc:  # a backend refusing a weight format
+            if isinstance(exc, ConfigError):
+                raise
+            raise ConfigError(f"--dtype {d}: {exc}") from exc
+    return targets
+
+
+def _draft(args: argparse.Namespace, target, notes: list[str]) -> DraftModelProposer | None:
+    from verispec.commands.drafters import build_proposer, shipped_draft_for
+
+    if args.draft_model in (None, "default"):
+        proposer = shipped_draft_for(target)
+        if proposer is None:
+            notes.append(
+                "no --draft-model given and no shipped draft for this target yet: "
+                "draft-model and hf-assisted skipped"
+            )
+            return None
+    else:
+        proposer = build_proposer(target, args.draft_model, False, backend=args.backend)
+    if isinstance(proposer, PromptLookup) or not isinstance(proposer, DraftModelProposer):
+        notes.append("the draft resolved to no draft model: draft-model and hf-assisted skipped")
+        return None
+    return proposer
+
+
+def run(args: argparse.Namespace) -> int:
+    """Validate, load, measure costs, run interleaved, write results."""
+    methods, ks, dtypes = parse_options(args)
+    sampling = sampling_config(args)
+    prompts = select(load_prompts(args.prompts), _names(args.categories) or None, args.per_category)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} exists and is not a folder")
+    from verispec.models.loading import resolve
+
+    resolve(args.model)
+    notes: list[str] = []
+    say = lambda msg: print(f"verispec bench: {msg}", file=sys.stderr)  # noqa: E731
+
+    targets = _load_targets(args, dtypes)
+    main = targets[dtypes[0]]
+    tokenizer = main.tokenizer
+    encoded = [encode(tokenizer, p.text, main.instruct) for p in prompts]
+
+    draft = None
+    if {"draft-model", "hf-assisted"} & set(methods):
+        draft = _draft(args, main, notes)
+        if draft is None:
+            methods = [m for m in methods if m not in ("draft-model", "hf-assisted")]
+    llama = None
+    if {"llama.cpp", "llama.cpp-prompt-lookup"} & set(methods):
+        kind, where = resolve(args.model)
+        if not llama_cpp_available():
+            notes.append(
+                "llama-cpp-python is not installed (pip install 'verispec[llama-cpp]'): llama.cpp skipped"
+            )
+        elif kind != "gguf":
+            notes.append("llama.cpp needs a GGUF model; the target is not one: llama.cpp skipped")
+        else:
+            longest = max(len(ids) for ids in encoded) + args.max_new_tokens + 64
+            llama = LlamaCppPeer(
+                Path(where),
+                list(main.eos_token_ids),
+                n_ctx=max(2048, longest),
+                threads=torch.get_num_threads(),
+            )
+            notes.append(f"llama.cpp runs {Path(where).name} (its own weight format)")
+        if llama is None:
+            methods = [m for m in methods if not m.startswith("llama.cpp")]
+    for note in notes:
+        say(note)
+
+    configs = build_configs(methods, ks, dtypes, args.adaptive)
+    req = Sampling(args.max_new_tokens, sampling, args.seed)
+    hf = HFPeer(
+        main.hf_model, list(main.eos_token_ids), getattr(getattr(draft, "model", None), "hf_model", None)
+    )
+    lookup = PromptLookup()
+    proposers = {}
+    for d in targets:
+        if draft is not None:
+            proposers[("draft-model", d, False)] = DraftModelProposer(draft.model)
+            proposers[("draft-model", d, True)] = DraftModelProposer(
+                draft.model, confidence_threshold=args.confidence_threshold
+            )
+        proposers[("prompt-lookup", d, False)] = proposers[("prompt-lookup", d, True)] = lookup
+
+    def runner_for(cfg: MethodConfig):
+        if cfg.method in OURS:
+            target = targets[cfg.dtype]
+            proposer = proposers.get((cfg.method, cfg.dtype, cfg.adaptive))
+            return lambda ids, c, r: run_ours(target, proposer, ids, c, r)
+        if cfg.method.startswith("hf-"):
+            return hf.run
+        return llama.run
+
+    runners = {cfg: runner_for(cfg) for cfg in configs}
+
+    say("measuring memory bandwidth and forward costs")
+    bandwidth = memory_bandwidth()
+    k_top = max(5, min(16, 2 * max(ks)) + 1)  # adaptive k may reach twice the start
+    costs = {d: verify_costs(t, k_top) for d, t in targets.items()}
+    draft_cost: dict[tuple[str, str], float] = {}
+    for d, t in targets.items():
+        step = forward_seconds(t, [1])[1]
+        draft_cost[("prompt-lookup", d)] = lookup_seconds(lookup) / step
+        if draft is not None:
+            draft_cost[("draft-model", d)] = forward_seconds(draft.model, [1])[1] / step
+
+    def predict(cfg: MethodConfig, stats: GenerationStats) -> float | None:
+        if cfg.method not in OURS or cfg.adaptive:
+            return None
+        v = costs[cfg.dtype].get(cfg.k + 1)
+        if v is None:
+            return None
+        return predicted_speedup(
+            conditional_acceptance(stats),
+            cfg.k,
+            draft_cost[(cfg.method, cfg.dtype)],
+            v,
+            draft_fraction(stats),
+        )
+
+    started = time.time()
+    results = run_interleaved(
+        configs,
+        runners,
+        encoded,
+        req,
+        warmup=Sampling(min(8, args.max_new_tokens), sampling, args.seed),
+        progress=not args.no_progress,
+    )
+    rows = aggregate(
+        configs,
+        [p.category for p in prompts],
+        results,
+        greedy=sampling.greedy,
+        reference=MethodConfig("autoregressive", dtype=dtypes[0]),
+        predict=predict,
+    )
+
+    by_dtype = {}
+    for d, t in targets.items():
+        wb = weight_bytes(t, d)
+        plain = next(
+            r for r in rows if r["method"] == "autoregressive" and r["dtype"] == d and r["category"] == ALL
+        )
+        bound = bandwidth / wb if wb else 0.0
+        by_dtype[d] = {
+            "weight_bytes_per_token": wb,
+            "bandwidth_bound_tokens_per_second": bound,
+            "plain_tokens_per_second": plain["tokens_per_second"],
+            "plain_decode_tokens_per_second": plain["decode_tokens_per_second"],
+            "plain_fraction_of_bound": plain["decode_tokens_per_second"] / bound if bound else None,
+            "verify_cost_ratio": costs[d][5] / costs[d][1] if 5 in costs[d] else None,
+            "verify_cost_by_tokens": {str(k): v for k, v in costs[d].items()},
+            "draft_cost": {m: c for (m, dd), c in draft_cost.items() if dd == d},
+        }
+    first = by_dtype[dtypes[0]]
+    from verispec.commands.generate import memory_report
+
+    memory = {"target_weights": first["weight_bytes_per_token"]}
+    memory.update(memory_report(main, draft))
+    results_json = {
+        "machine": machine_info(),
+        "config": {
+            "command": "verispec bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+            if len(sys.argv) > 1 and sys.argv[1] == "bench"
+            else "verispec bench (API)",
+            "prompts_file": str(args.prompts or "default"),
+            "categories": list(dict.fromkeys(p.category for p in prompts)),
+            "prompts": len(prompts),
+            "per_category": args.per_category,
+            "max_new_tokens": args.max_new_tokens,
+            "temperature": sampling.temperature,
+            "top_k": sampling.top_k,
+            "top_p": sampling.top_p,
+            "seed": args.seed,
+            "model": args.model,
+            "draft_model": args.draft_model if draft is not None else None,
+            "methods": methods,
+            "num_speculative_tokens": ks,
+            "adaptive": args.adaptive,
+            "confidence_threshold": args.confidence_threshold,
+            "dtypes": dtypes,
+            "backend": args.backend,
+            "target_backend": type(main).__name__,
+            "wall_seconds": time.time() - started,
+        },
+        "memory_bandwidth_bytes_per_second": bandwidth,
+        "weight_bytes_per_token": first["weight_bytes_per_token"],
+        "bandwidth_bound_tokens_per_second": first["bandwidth_bound_tokens_per_second"],
+        "verify_cost_ratio": first["verify_cost_ratio"],
+        "by_dtype": by_dtype,
+        "memory_bytes": memory,
+        "notes": notes,
+        "rows": rows,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results_json, indent=1) + "\n", encoding="utf-8")
+    table = markdown(results_json)
+    (out / "results.md").write_text(table, encoding="utf-8")
+    plot_all(results_json, out)
+    print(table)
+    say(f"wrote {out / 'results.json'}, results.md and plots")
+    return 0
+
+
+def encode(tokenizer, text: str, chat: bool) -> list[int]:
+    """Prompt token ids, through the chat template for instruct models."""
+    from verispec.tokenizers import encode_prompt
+
+    return encode_prompt(tokenizer, text, chat=chat)

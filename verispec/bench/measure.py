@@ -1,0 +1,161 @@
+"""What the benchmark measures besides generation: machine, bandwidth, verify and draft cost.
+
+The expected-speedup model (Leviathan et al., 2023, with the verify cost measured rather than taken
+as 1): with per-token acceptance ``a`` (the chance a draft token is accepted given that the ones
+before it were), draft length k, draft cost ``c`` per token and target cost ``v(k)`` of verifying
+k + 1 tokens, both relative to one plain target step, a drafting step yields
+``(1 - a^(k+1)) / (1 - a)`` tokens at cost ``k c + v(k)``. A drafter that sometimes finds nothing
+(prompt lookup) runs plain steps in between: with a fraction ``f`` of steps drafting, the speedup is
+``(f T + 1 - f) / (f (k c + v) + 1 - f)``, which is the paper's formula when ``f = 1``.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+
+import torch
+
+from verispec.adaptive import expected_speedup
+from verispec.stats import GenerationStats
+
+
+def machine_info() -> dict:
+    """CPU, cores, threads and library versions."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+    for name in ("transformers", "llama_cpp"):
+        try:
+            info[name] = __import__(name).__version__
+        except Exception:  # noqa: BLE001 - optional peers
+            info[name] = None
+    try:
+        info["git_commit"] = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+                cwd=os.path.dirname(__file__),
+            ).stdout.strip()
+            or None
+        )
+    except (OSError, subprocess.SubprocessError):
+        info["git_commit"] = None
+    return info
+
+
+def _median_seconds(fn: Callable[[], object], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def memory_bandwidth(num_bytes: int = 512 * 2**20, reps: int = 7) -> float:
+    """Memory read bandwidth in bytes/s: median time of summing a float32 tensor far larger than cache."""
+    x = torch.ones(num_bytes // 4, dtype=torch.float32)
+    x.sum()  # touch every page first
+    seconds = _median_seconds(lambda: x.sum(), reps)
+    return num_bytes / seconds
+
+
+def weight_bytes(model, dtype: str = "float32") -> int:
+    """Bytes of weights the target reads per token: ``model.weight_bytes()`` when the backend knows,
+    else the Hugging Face parameters counted at ``dtype``'s width."""
+    fn = getattr(model, "weight_bytes", None)
+    if callable(fn):
+        return int(fn())
+    hf = getattr(model, "hf_model", None)
+    if hf is None:
+        return 0
+    width = torch.empty(0, dtype=getattr(torch, dtype, torch.float32)).element_size()
+    return sum(p.numel() for p in hf.parameters()) * width
+
+
+@torch.inference_mode()
+def forward_seconds(model, tokens: list[int], context: int = 200, reps: int = 9) -> dict[int, float]:
+    """Median seconds of one ``forward`` of T new tokens after ``context`` cached tokens, per T in ``tokens``.
+
+    The cache is truncated back to ``context`` after each call, so every call sees the same length;
+    the T values are interleaved within each repetition so drift hits them alike.
+    """
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(
+        0, model.vocab_size, (1, context + max(tokens)), generator=gen
+    )  # [1, context + T_max]
+    context = min(context, model.max_length - max(tokens))
+    model.reset(1)
+    model.forward(ids[:, :context], logits="none")
+    back = torch.tensor([context])
+    times: dict[int, list[float]] = {t: [] for t in tokens}
+    for rep in range(reps + 1):
+        for t in tokens:
+            start = time.perf_counter()
+            model.forward(ids[:, context : context + t], logits="all")  # [1, T, V] as in verification
+            elapsed = time.perf_counter() - start
+            model.truncate(back)
+            if rep:  # the first round is warm-up
+                times[t].append(elapsed)
+    return {t: statistics.median(v) for t, v in times.items()}
+
+
+def verify_costs(model, max_tokens: int, context: int = 200, reps: int = 9) -> dict[int, float]:
+    """``v(T)``: time of a forward over T new tokens relative to one token, for T in 1..max_tokens."""
+    secs = forward_seconds(model, list(range(1, max_tokens + 1)), context, reps)
+    return {t: secs[t] / secs[1] for t in secs}
+
+
+def lookup_seconds(lookup, length: int = 600, k: int = 4, reps: int = 21) -> float:
+    """Median seconds of one prompt-lookup call over a ``length``-token history."""
+    gen = torch.Generator().manual_seed(0)
+    seq = torch.randint(0, 1000, (length,), generator=gen)
+    return _median_seconds(lambda: lookup.lookup(seq, k), reps)
+
+
+def conditional_acceptance(stats: GenerationStats) -> float:
+    """Per-token acceptance ``a``: accepted draft tokens over draft tokens whose predecessors were all
+    accepted (what the i.i.d. model means by a; ``stats.acceptance_rate`` divides by all drafted)."""
+    acc, drafted = stats.accepted_per_position, stats.drafted_per_position
+    reached = sum(min(drafted[i], acc[i - 1] if i else drafted[0]) for i in range(len(drafted)))
+    return sum(acc) / reached if reached else 0.0
+
+
+def draft_fraction(stats: GenerationStats) -> float:
+    """Fraction of target calls that verified at least one draft token."""
+    if not stats.target_calls or not stats.drafted_per_position:
+        return 0.0
+    return stats.drafted_per_position[0] / stats.target_calls
+
+
+def predicted_speedup(
+    acceptance: float, k: int, draft_cost: float, verify_cost: float, fraction: float = 1.0
+) -> float:
+    """Decode speedup over plain steps predicted by the model in the module docstring."""
+    if k == 0 or fraction <= 0:
+        return 1.0
+    step = expected_speedup(acceptance, k, draft_cost, verify_cost)  # tokens / cost of one drafting step
+    cost = k * draft_cost + verify_cost
+    tokens = step * cost
+    return (fraction * tokens + 1 - fraction) / (fraction * cost + 1 - fraction)

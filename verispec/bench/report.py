@@ -1,0 +1,169 @@
+"""``results.md`` and the PNG plots from the rows of ``results.json``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from verispec.bench.runner import ALL
+
+
+def _fmt(value, spec: str = ".2f", suffix: str = "") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    return f"{value:{spec}}{suffix}"
+
+
+def markdown(results: dict) -> str:
+    """The Markdown report: setup, measured costs, memory, then one table row per config and category."""
+    m, c = results["machine"], results["config"]
+    lines = [
+        "# verispec bench",
+        "",
+        f"Command: `{c['command']}`",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), "
+        f"transformers {m['transformers']}, llama-cpp-python {m['llama_cpp'] or 'not installed'}; "
+        f"commit {m.get('git_commit') or '?'}.",
+        f"Model {c['model']}, draft {c['draft_model'] or '-'}, {c['max_new_tokens']} new tokens, temperature "
+        f"{c['temperature']}, {c['prompts']} prompts.",
+        "",
+        f"- memory bandwidth {results['memory_bandwidth_bytes_per_second'] / 1e9:.1f} GB/s; "
+        f"bandwidth bound {results['bandwidth_bound_tokens_per_second']:.1f} tokens/s "
+        f"({results['weight_bytes_per_token'] / 2**20:.0f} MiB of weights per token)",
+        f"- verify_cost_ratio (forward over 5 new tokens / 1, at 200 cached) "
+        f"{_fmt(results['verify_cost_ratio'])}",
+    ]
+    for dtype, d in results.get("by_dtype", {}).items():
+        lines.append(
+            f"- {dtype}: bound {d['bandwidth_bound_tokens_per_second']:.1f} tokens/s, plain decoding "
+            f"{_fmt(d.get('plain_decode_tokens_per_second'), '.1f')} tokens/s decode-only "
+            f"({_fmt(d.get('plain_fraction_of_bound'), '.0%')} of the bound), verify_cost_ratio "
+            f"{_fmt(d['verify_cost_ratio'])}"
+        )
+    mem = results.get("memory_bytes") or {}
+    if mem:
+        lines.append("- memory: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in mem.items()))
+    for note in results.get("notes", []):
+        lines.append(f"- note: {note}")
+    lines += [
+        "",
+        "Speedup: tokens/s (whole request, prompt included) over the same engine's plain decoding on the "
+        "same prompts; decode: the same after the first token; predicted: the expected-speedup model "
+        "(decode) from measured acceptance and costs; vs ours: tokens/s over our float32 plain decoding.",
+        "",
+        "| category | method | tok/s | decode tok/s | speedup | decode speedup | predicted | vs ours | "
+        "acceptance | accepted/call | same output |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+    ]
+    cats = list(dict.fromkeys(r["category"] for r in results["rows"]))
+    cats = [c for c in cats if c != ALL] + [ALL]
+    for cat in cats:
+        for r in (r for r in results["rows"] if r["category"] == cat):
+            lines.append(
+                f"| {cat} | {r['label']} | {r['tokens_per_second']:.1f} | "
+                f"{r['decode_tokens_per_second']:.1f} | {_fmt(r['speedup'], '.2f', 'x')} | "
+                f"{_fmt(r.get('decode_speedup'), '.2f', 'x')} | {_fmt(r['predicted_speedup'], '.2f', 'x')} | "
+                f"{_fmt(r['relative_to_autoregressive'], '.2f', 'x')} | "
+                f"{_fmt(r['acceptance_rate'], '.0%')} | {_fmt(r['mean_accepted_length'], '.2f')} | "
+                f"{_fmt(r['outputs_match_baseline'])} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def plot_all(results: dict, out: Path) -> list[Path]:
+    """Write the three plots; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["rows"]
+    paths = []
+
+    # 1. speedup by category and method: each config at its k with the best overall speedup.
+    best: dict[tuple, dict] = {}
+    for r in rows:
+        if r["category"] == ALL and r["speedup"] is not None:
+            key = (r["method"], r["dtype"], r["adaptive"])
+            if key not in best or r["speedup"] > best[key]["speedup"]:
+                best[key] = r
+    labels = [r["label"] for r in best.values()]
+    cats = [c for c in dict.fromkeys(r["category"] for r in rows) if c != ALL] + [ALL]
+    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(cats) * max(1, len(labels)) / 3), 4.5))
+    width = 0.8 / max(1, len(labels))
+    for j, label in enumerate(labels):
+        ys = [
+            next((r["speedup"] or 0 for r in rows if r["label"] == label and r["category"] == c), 0)
+            for c in cats
+        ]
+        ax.bar([i + j * width for i in range(len(cats))], ys, width, label=label)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))], cats, rotation=30, ha="right")
+    ax.set_ylabel("speedup over the same engine's plain decoding")
+    ax.set_title("Speedup by category (tokens/s, whole request)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    paths.append(out / "speedup_by_category.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    # 2. acceptance by draft position, over all prompts.
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in rows:
+        if r["category"] == ALL and r["acceptance_by_position"]:
+            pos = r["acceptance_by_position"]
+            ax.plot(range(1, len(pos) + 1), pos, marker="o", label=r["label"])
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("accepted / drafted")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("Acceptance by draft position (all prompts)")
+    if ax.lines:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out / "acceptance_by_position.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    # 3. speedup against k, measured (solid) and predicted (dashed); adaptive as a marker.
+    fig, ax = plt.subplots(figsize=(7, 4))
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["category"] == ALL and r["num_speculative_tokens"] and r["speedup"] is not None:
+            groups.setdefault((r["method"], r["dtype"], r["adaptive"]), []).append(r)
+    for (method, dtype, adaptive), rs in groups.items():
+        rs.sort(key=lambda r: r["num_speculative_tokens"])
+        ks = [r["num_speculative_tokens"] for r in rs]
+        name = method + ("" if dtype == "float32" else f" [{dtype}]")
+        if adaptive:
+            ax.plot(
+                ks,
+                [r["speedup"] for r in rs],
+                marker="*",
+                markersize=12,
+                linestyle="none",
+                label=f"{name} adaptive (start k)",
+            )
+            continue
+        (line,) = ax.plot(ks, [r["speedup"] for r in rs], marker="o", label=f"{name} measured")
+        pred = [r.get("predicted_speedup") for r in rs]
+        if any(p is not None for p in pred):
+            ax.plot(
+                ks,
+                [p if p is not None else float("nan") for p in pred],
+                linestyle="--",
+                color=line.get_color(),
+                label=f"{name} predicted (decode)",
+            )
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel("draft length k")
+    ax.set_ylabel("speedup (all prompts)")
+    ax.set_title("Speedup against k")
+    if ax.lines:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out / "speedup_vs_k.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths

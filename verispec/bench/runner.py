@@ -1,0 +1,136 @@
+"""The interleaved benchmark loop and the per-category rows of ``results.json``.
+
+For each prompt every method runs once before the next prompt starts, in an order rotated by one
+each prompt, so machine noise (other jobs, clock changes) falls on all methods alike. A warm-up run
+of every method on the shortest prompt comes first and is not counted.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from tqdm import tqdm
+
+from verispec.bench.measure import conditional_acceptance, draft_fraction
+from verispec.bench.methods import SPECULATIVE, MethodConfig, Runner, RunResult, Sampling
+from verispec.stats import GenerationStats
+
+ALL = "all"
+"""The category name of rows aggregated over every prompt."""
+
+
+def run_interleaved(
+    configs: list[MethodConfig],
+    runners: dict[MethodConfig, Runner],
+    prompts: list[list[int]],
+    request: Sampling,
+    warmup: Sampling | None = None,
+    progress: bool = True,
+) -> dict[MethodConfig, list[RunResult]]:
+    """Run every config on every prompt (``prompts``: token ids), interleaved; results in prompt order.
+
+    ``warmup``: the request for one uncounted run of each config on the shortest prompt first.
+    """
+    if warmup is not None:
+        shortest = min(prompts, key=len)
+        for cfg in tqdm(configs, desc="warm-up", file=sys.stderr, disable=not progress, leave=False):
+            runners[cfg](shortest, cfg, warmup)
+    results: dict[MethodConfig, list[RunResult]] = {cfg: [] for cfg in configs}
+    bar = tqdm(
+        total=len(prompts) * len(configs), desc="bench", file=sys.stderr, disable=not progress, unit="run"
+    )
+    for i, ids in enumerate(prompts):
+        shift = i % len(configs)
+        for cfg in configs[shift:] + configs[:shift]:
+            bar.set_postfix_str(f"prompt {i + 1}/{len(prompts)} {cfg.label}", refresh=False)
+            results[cfg].append(runners[cfg](ids, cfg, request))
+            bar.update(1)
+    bar.close()
+    return results
+
+
+def _summary(runs: list[RunResult]) -> dict:
+    new = sum(len(r.token_ids) for r in runs)
+    seconds = sum(r.seconds for r in runs)
+    decode_tokens = sum(len(r.token_ids) - r.first_tokens for r in runs)
+    decode_seconds = sum(r.seconds - r.first_token_seconds for r in runs)
+    return {
+        "prompts": len(runs),
+        "new_tokens": new,
+        "seconds": seconds,
+        "first_token_seconds": sum(r.first_token_seconds for r in runs),
+        "tokens_per_second": new / seconds if seconds > 0 else 0.0,
+        "decode_tokens_per_second": decode_tokens / decode_seconds if decode_seconds > 0 else 0.0,
+    }
+
+
+def aggregate(
+    configs: list[MethodConfig],
+    categories: list[str],
+    results: dict[MethodConfig, list[RunResult]],
+    *,
+    greedy: bool,
+    reference: MethodConfig,
+    predict: Callable[[MethodConfig, GenerationStats], float | None],
+) -> list[dict]:
+    """One row per (config, category) and per config over all prompts (category ``"all"``).
+
+    ``speedup`` is tokens/s over the config's baseline's (the same engine's plain decoding) on the same
+    prompts; ``relative_to_autoregressive`` is over ``reference`` (our plain decoding). With greedy
+    decoding, ``outputs_match_baseline`` says whether every prompt's tokens equal the baseline's (for
+    plain decoding of other engines and weight formats: equal ``reference``'s); None when sampling.
+    """
+    rows = []
+    cats = [*dict.fromkeys(categories), ALL]
+    for cfg in configs:
+        base_cfg = cfg.baseline if cfg.baseline != cfg else reference
+        for cat in cats:
+            idx = [i for i, c in enumerate(categories) if cat in (ALL, c)]
+            runs = [results[cfg][i] for i in idx]
+            row = {
+                "method": cfg.method,
+                "label": cfg.label,
+                "dtype": cfg.dtype,
+                "adaptive": cfg.adaptive,
+                "category": cat,
+                "num_speculative_tokens": cfg.k,
+            }
+            row.update(_summary(runs))
+            for name, other in (("speedup", cfg.baseline), ("relative_to_autoregressive", reference)):
+                if other in results:
+                    ref = _summary([results[other][i] for i in idx])
+                    row[name] = row["tokens_per_second"] / ref["tokens_per_second"]
+                    if name == "speedup":
+                        row["decode_speedup"] = (
+                            row["decode_tokens_per_second"] / ref["decode_tokens_per_second"]
+                        )
+                else:
+                    row[name] = None
+            stats = [r.stats for r in runs if r.stats is not None]
+            if stats and cfg.method in SPECULATIVE:
+                merged = GenerationStats()
+                for s in stats:
+                    merged.merge(s)
+                row["acceptance_rate"] = merged.acceptance_rate
+                row["conditional_acceptance"] = conditional_acceptance(merged)
+                row["draft_fraction"] = draft_fraction(merged)
+                row["mean_accepted_length"] = merged.mean_accepted_length
+                row["acceptance_by_position"] = [
+                    a / d if d else 0.0
+                    for a, d in zip(merged.accepted_per_position, merged.drafted_per_position)
+                ]
+                row["predicted_speedup"] = predict(cfg, merged)
+            else:
+                row["acceptance_rate"] = None
+                row["mean_accepted_length"] = 1.0 if stats else None
+                row["acceptance_by_position"] = None
+                row["predicted_speedup"] = None
+            if greedy and base_cfg in results:
+                matching = sum(results[cfg][i].token_ids == results[base_cfg][i].token_ids for i in idx)
+                row["outputs_match_baseline"] = matching == len(idx)
+                row["prompts_matching_baseline"] = matching
+            else:
+                row["outputs_match_baseline"] = None
+            rows.append(row)
+    return rows
