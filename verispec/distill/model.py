@@ -1,0 +1,285 @@
+"""A small draft built from a Llama-family target's own pieces, and its KV-cached runtime.
+
+The draft is a pre-norm Llama decoder (Touvron et al., 2023) at the target's width, with
+``num_layers`` layers initialised from chosen target layers, the target's final norm, and the target's
+input embeddings and output head, read from the target at load time (never stored with the draft).
+Two settings of the same module serve two drafters:
+
+- **trained draft** (:mod:`verispec.distill.train`): a copy of a few target layers, fine-tuned by
+  token-level distillation, with the head cut to a frequent-token subset (``vocab_ids``): the tied head
+  of SmolLM2-135M is 28M of its 135M weights, so a full head alone would cost a fifth of a target step.
+  Draft probabilities are exactly zero outside the subset; rejection sampling stays lossless for any
+  draft distribution, a token outside the subset is simply never proposed.
+- **early exit** (:mod:`verispec.distill.early_exit`): the target's first N layers, shared (not copied),
+  full head, no training (LayerSkip-style self-speculation, Elhoushi et al., 2024).
+
+:class:`DraftKV` runs a :class:`DraftLM` as a :class:`~verispec.models.base.KVModel` with
+preallocated ``[B, H_kv, S, D]`` caches, so it plugs into
+:class:`~verispec.proposers.DraftModelProposer` unchanged. Its logits cover the full vocabulary
+(``-inf`` outside the subset) so they go through the shared ``logits_to_probs`` like the target's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from verispec.config import ConfigError
+from verispec.models.base import LogitsMode
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """Shape of a draft; stored in the draft's metadata."""
+
+    hidden_size: int  # the target's width (embeddings and head are the target's)
+    num_layers: int  # decoder layers in the draft
+    num_heads: int  # query heads per layer
+    num_kv_heads: int  # key/value heads (grouped-query attention)
+    head_dim: int  # channels per head
+    intermediate_size: int  # SwiGLU width
+    rms_norm_eps: float
+    vocab_size: int  # the target's vocabulary: width of the logits handed to the proposer
+    draft_vocab: int  # tokens the head scores (== vocab_size for a full head)
+    init_layers: tuple[int, ...]  # target layers the draft's layers were initialised from
+
+    def to_dict(self) -> dict:
+        """JSON-ready form."""
+        d = asdict(self)
+        d["init_layers"] = list(self.init_layers)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> DraftConfig:
+        """Inverse of :meth:`to_dict`."""
+        return cls(**{**d, "init_layers": tuple(d["init_layers"])})
+
+
+def target_modules(hf_model) -> tuple[nn.Module, Sequence[nn.Module], nn.Module, torch.Tensor, torch.Tensor]:
+    """(embedding, decoder layers, final norm, head weight ``[V, hidden]``, rotary ``inv_freq``) of a target.
+
+    Raises ConfigError for architectures the draft cannot mirror (not Llama-style, biases, odd RoPE).
+    """
+    cfg = hf_model.config
+    inner = getattr(hf_model, "model", None)
+    if getattr(cfg, "model_type", None) not in ("llama", "mistral", "qwen2") or inner is None:
+        raise ConfigError(f"drafts can be built for Llama-family targets only, not {type(hf_model).__name__}")
+    attn = inner.layers[0].self_attn
+    if attn.q_proj.bias is not None or attn.o_proj.bias is not None or getattr(cfg, "mlp_bias", False):
+        raise ConfigError("drafts do not support targets with attention or MLP biases yet")
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ConfigError(f"drafts support plain RoPE only, not {rope.get('rope_type')!r}")
+    return (
+        inner.embed_tokens,
+        inner.layers,
+        inner.norm,
+        hf_model.get_output_embeddings().weight,
+        inner.rotary_emb.inv_freq,
+    )
+
+
+class DraftLayer(nn.Module):
+    """One pre-norm decoder layer: RMSNorm, GQA with RoPE, RMSNorm, SwiGLU."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.in_norm = nn.Parameter(torch.ones(h))
+        self.q = nn.Linear(h, cfg.num_heads * d, bias=False)
+        self.k = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
+        self.v = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
+        self.o = nn.Linear(cfg.num_heads * d, h, bias=False)
+        self.post_norm = nn.Parameter(torch.ones(h))
+        self.gate = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.up = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, h, bias=False)
+
+    def adopt(self, hf_layer: nn.Module, *, share: bool) -> None:
+        """Take a target layer's weights: the same tensors (``share``) or copies of them."""
+        pairs = [
+            ("q", hf_layer.self_attn.q_proj), ("k", hf_layer.self_attn.k_proj),
+            ("v", hf_layer.self_attn.v_proj),
+            ("o", hf_layer.self_attn.o_proj), ("gate", hf_layer.mlp.gate_proj), ("up", hf_layer.mlp.up_proj),
+            ("down", hf_layer.mlp.down_proj),
+        ]  # fmt: skip
+        for name, src in pairs:
+            w = src.weight if share else nn.Parameter(src.weight.detach().float().clone())
+            getattr(self, name).weight = w
+        for name, src in (
+            ("in_norm", hf_layer.input_layernorm),
+            ("post_norm", hf_layer.post_attention_layernorm),
+        ):
+            setattr(self, name, src.weight if share else nn.Parameter(src.weight.detach().float().clone()))
+
+
+class DraftLM(nn.Module):
+    """Token ids -> draft logits over ``vocab_ids`` (the head's subset of the target vocabulary)."""
+
+    def __init__(
+        self,
+        cfg: DraftConfig,
+        embed: torch.Tensor,
+        head: torch.Tensor,
+        inv_freq: torch.Tensor,
+        vocab_ids: torch.Tensor | None,
+    ):
+        """``embed`` ``[V, hidden]`` and ``head`` ``[V, hidden]`` are the target's (not trained, not saved);
+        ``vocab_ids`` ``[draft_vocab]`` int64 picks the head rows (None: the full vocabulary)."""
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.embed = embed.detach()
+        self.vocab_ids = vocab_ids
+        # [draft_vocab, hidden]: a view when the head is the target's full head, a small copy otherwise.
+        self.head = head.detach() if vocab_ids is None else head.detach()[vocab_ids].clone()
+        self.inv_freq = inv_freq.detach().float()  # [head_dim / 2]
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """What a trained draft stores: its layers and final norm (not the target's embeddings/head)."""
+        return {k: v for k, v in self.state_dict().items()}
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[n, T]`` positions -> cos, sin ``[n, 1, T, head_dim]``."""
+        freqs = positions[..., None].float() * self.inv_freq  # [n, T, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [n, 1, T, D]
+        return emb.cos(), emb.sin()
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        var = x.pow(2).mean(-1, keepdim=True)
+        return x * torch.rsqrt(var + self.cfg.rms_norm_eps) * weight
+
+    def _qkv(self, layer: DraftLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """``[n, T, hidden]`` -> q ``[n, H, T, D]``, k and v ``[n, H_kv, T, D]`` (RoPE applied)."""
+        n, t, _ = x.shape
+        d = self.cfg.head_dim
+        h = self._norm(x, layer.in_norm)
+        q = layer.q(h).view(n, t, -1, d).transpose(1, 2)
+        k = layer.k(h).view(n, t, -1, d).transpose(1, 2)
+        v = layer.v(h).view(n, t, -1, d).transpose(1, 2)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+    def _finish(self, layer: DraftLayer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual adds after attention ``[n, H, T, D]``, then the SwiGLU block."""
+        n, _, t, _ = attn.shape
+        x = x + layer.o(attn.transpose(1, 2).reshape(n, t, -1))
+        h = self._norm(x, layer.post_norm)
+        return x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Training path, no cache: ``[B, T]`` ids -> ``[B, T, draft_vocab]`` logits (causal)."""
+        b, t = ids.shape
+        x = F.embedding(ids, self.embed)  # [B, T, hidden]
+        cos, sin = self._rope(torch.arange(t).expand(b, t))
+        groups = self.cfg.num_heads // self.cfg.num_kv_heads
+        for layer in self.layers:
+            q, k, v = self._qkv(layer, x, cos, sin)
+            attn = F.scaled_dot_product_attention(
+                q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), is_causal=True
+            )  # [B, H, T, D]
+            x = self._finish(layer, x, attn)
+        return self._norm(x, self.norm) @ self.head.T  # [B, T, draft_vocab]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+class DraftKV:
+    """A :class:`DraftLM` behind the ``KVModel`` protocol, with ``[B, H_kv, S, D]`` caches per layer.
+
+    Cache invariant (``base.py``): row ``r`` holds ``lengths[r]`` tokens; positions past it are
+    masked and overwritten by the next write, so ``truncate`` only lowers the length.
+    """
+
+    def __init__(
+        self, model: DraftLM, tokenizer: object | None = None, max_length: int = 2048, max_batch_size: int = 1
+    ):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_length = int(max_length)
+        self.vocab_size = model.cfg.vocab_size
+        self._capacity = 0
+        self._lengths = torch.zeros(0, dtype=torch.int64)
+        self.k_cache: list[torch.Tensor] = []
+        self.v_cache: list[torch.Tensor] = []
+        self.reset(max_batch_size)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """``[B]`` tokens held per row (a copy)."""
+        return self._lengths.clone()
+
+    def memory_bytes(self) -> int:
+        """Bytes of the draft's own weights and caches (shared target tensors not counted)."""
+        own = sum(p.numel() * p.element_size() for p in self.model.layers.parameters())
+        if self.model.vocab_ids is not None:
+            own += self.model.head.numel() * self.model.head.element_size()
+        return own + sum(c.numel() * c.element_size() for c in self.k_cache + self.v_cache)
+
+    def reset(self, batch_size: int) -> None:
+        """Empty every row; the caches grow when ``batch_size`` exceeds them."""
+        cfg = self.model.cfg
+        if batch_size > self._capacity:
+            shape = (batch_size, cfg.num_kv_heads, self.max_length, cfg.head_dim)
+            self.k_cache = [torch.zeros(shape) for _ in range(cfg.num_layers)]
+            self.v_cache = [torch.zeros(shape) for _ in range(cfg.num_layers)]
+            self._capacity = batch_size
+        self._lengths = torch.zeros(batch_size, dtype=torch.int64)
+
+    def truncate(self, lengths: torch.Tensor, rows: list[int] | None = None) -> None:
+        """Row ``rows[i]`` keeps its first ``lengths[i]`` tokens (``[n]``)."""
+        idx = torch.arange(len(self._lengths)) if rows is None else torch.as_tensor(rows, dtype=torch.int64)
+        new = torch.as_tensor(lengths, dtype=torch.int64).reshape(-1)
+        self._lengths[idx] = torch.minimum(new, self._lengths[idx])
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, rows: list[int] | None = None, logits: LogitsMode = "all"
+    ) -> torch.Tensor | None:
+        """Append ``[n, T]`` ids to ``rows``; return ``[n, T, V]`` / ``[n, V]`` logits or None."""
+        m, cfg = self.model, self.model.cfg
+        idx = torch.arange(len(self._lengths)) if rows is None else torch.as_tensor(rows, dtype=torch.int64)
+        ids = torch.as_tensor(input_ids, dtype=torch.int64)
+        n, t = ids.shape
+        starts = self._lengths[idx]  # [n]
+        end = int(starts.max()) + t
+        if end > self.max_length:
+            raise ValueError(f"a row would exceed max_length={self.max_length}")
+        pos = starts[:, None] + torch.arange(t)  # [n, T]
+        cos, sin = m._rope(pos)
+        # Query at position p sees keys 0..p of its own row.
+        mask = torch.arange(end)[None, None, :] <= pos[:, :, None]  # [n, T, end]
+        groups = cfg.num_heads // cfg.num_kv_heads
+        x = F.embedding(ids, m.embed)  # [n, T, hidden]
+        for li, layer in enumerate(m.layers):
+            q, k, v = m._qkv(layer, x, cos, sin)  # [n, H, T, D], [n, H_kv, T, D]
+            kc, vc = self.k_cache[li], self.v_cache[li]
+            for j in range(n):
+                s = int(starts[j])
+                kc[idx[j], :, s : s + t] = k[j]
+                vc[idx[j], :, s : s + t] = v[j]
+            keys = kc[idx, :, :end].repeat_interleave(groups, 1)  # [n, H, end, D]
+            vals = vc[idx, :, :end].repeat_interleave(groups, 1)
+            attn = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask[:, None])  # [n, H, T, D]
+            x = m._finish(layer, x, attn)
+        self._lengths[idx] = starts + t
+        if logits == "none":
+            return None
+        if logits == "last":
+            x = x[:, -1:]
+        scores = m._norm(x, m.norm) @ m.head.T  # [n, T', draft_vocab]
+        if m.vocab_ids is not None:
+            full = torch.full((*scores.shape[:2], cfg.vocab_size), float("-inf"))
+            full[..., m.vocab_ids] = scores
+            scores = full
+        scores = scores.float()
+        return scores[:, -1] if logits == "last" else scores
+
+    __call__ = forward

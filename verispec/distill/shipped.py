@@ -1,0 +1,143 @@
+"""Saving and loading trained drafts, each bound to the target it was trained for.
+
+A draft folder holds ``draft.safetensors`` (the draft's layers and final norm, float16, plus the
+head's ``vocab_ids``) and ``draft.json`` (its :class:`~verispec.distill.model.DraftConfig`, the
+target's id and name, the command that produced it and its measured acceptance). The embeddings and
+output head are the target's and are taken from it at load time, so a draft only works with that
+exact target: :func:`target_id` fingerprints tokenizer, config and weights, and :func:`load_draft`
+refuses a draft whose recorded id differs.
+
+Drafts shipped with verispec live in ``verispec/drafts/<name>/``; :func:`load_shipped_draft` picks
+the one whose target id matches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from verispec.config import ConfigError
+from verispec.distill.model import DraftConfig, DraftKV, DraftLM, target_modules
+from verispec.proposers import DraftModelProposer, Proposer
+
+log = logging.getLogger(__name__)
+
+SHIPPED = Path(__file__).resolve().parent.parent / "drafts"
+WEIGHTS = "draft.safetensors"
+META = "draft.json"
+
+
+def target_id(target) -> str:
+    """A fingerprint of a target: tokenizer vocabulary, architecture and bytes of some weights.
+
+    Accepts a KVModel with ``.hf_model`` or a Hugging Face model. Loading the same model from GGUF or
+    from its converted folder gives the same id; any other model (or a fine-tuned copy) does not.
+    """
+    hf = getattr(target, "hf_model", target)
+    tok = getattr(target, "tokenizer", None) or getattr(hf, "_verispec_tokenizer", None)
+    h = hashlib.sha256()
+    if tok is not None and hasattr(tok, "get_vocab"):
+        h.update(json.dumps(sorted(tok.get_vocab().items())).encode())
+    c = hf.config
+    fields = (
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+    )
+    h.update(json.dumps([getattr(c, f, None) for f in fields]).encode())
+    embed, layers, norm, head, _ = target_modules(hf)
+    with torch.no_grad():
+        for w in (
+            embed.weight[:8],
+            layers[0].self_attn.q_proj.weight[:8],
+            layers[-1].mlp.down_proj.weight[:8],
+            norm.weight,
+            head[-8:],
+        ):
+            h.update(w.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def save_draft(folder: str | Path, model: DraftLM, meta: dict) -> Path:
+    """Write ``draft.safetensors`` (float16 weights) and ``draft.json`` (config + ``meta``) to ``folder``."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to(torch.float16).contiguous() for k, v in model.trainable_state().items()}
+    if model.vocab_ids is not None:
+        tensors["vocab_ids"] = model.vocab_ids.to(torch.int64).contiguous()
+    save_file(tensors, str(folder / WEIGHTS))
+    (folder / META).write_text(json.dumps({**meta, "config": model.cfg.to_dict()}, indent=2) + "\n")
+    return folder
+
+
+def read_meta(folder: str | Path) -> dict:
+    """The metadata of a draft folder; ConfigError when it is not one."""
+    path = Path(folder) / META
+    if not path.is_file():
+        raise ConfigError(f"{folder} is not a verispec draft (no {META})")
+    return json.loads(path.read_text())
+
+
+def build_draft(target, cfg: DraftConfig, vocab_ids: torch.Tensor | None) -> DraftLM:
+    """A DraftLM wired to ``target``'s embeddings and head, layers initialised from ``cfg.init_layers``."""
+    hf = getattr(target, "hf_model", target)
+    embed, layers, norm, head, inv_freq = target_modules(hf)
+    model = DraftLM(cfg, embed.weight, head, inv_freq, vocab_ids)
+    for mine, src in zip(model.layers, cfg.init_layers):
+        mine.adopt(layers[src], share=False)
+    model.norm = torch.nn.Parameter(norm.weight.detach().float().clone())
+    return model
+
+
+def load_draft(folder: str | Path, target, *, max_batch_size: int = 1) -> DraftKV:
+    """Load a draft for ``target``; ConfigError when it was trained for another target."""
+    from safetensors.torch import load_file
+
+    meta = read_meta(folder)
+    mine = target_id(target)
+    if meta.get("target_id") != mine:
+        name = getattr(target, "name", None) or type(getattr(target, "hf_model", target)).__name__
+        raise ConfigError(
+            f"the draft in {folder} was trained for target {meta.get('target_name')!r} "
+            f"(id {meta.get('target_id')}), not for {name!r} (id {mine}); train one with "
+            f"'verispec distill --target {name} --out DIR'"
+        )
+    cfg = DraftConfig.from_dict(meta["config"])
+    tensors = load_file(str(Path(folder) / WEIGHTS))
+    vocab_ids = tensors.pop("vocab_ids", None)
+    model = build_draft(target, cfg, vocab_ids)
+    model.load_state_dict({k: v.float() for k, v in tensors.items()})
+    return DraftKV(
+        model,
+        getattr(target, "tokenizer", None),
+        max_length=getattr(target, "max_length", 2048),
+        max_batch_size=max_batch_size,
+    )
+
+
+def shipped_folders() -> list[Path]:
+    """Folders of the drafts shipped with verispec."""
+    return sorted(p.parent for p in SHIPPED.glob(f"*/{META}")) if SHIPPED.is_dir() else []
+
+
+def load_shipped_draft(target, *, max_batch_size: int = 1) -> Proposer | None:
+    """The proposer of the shipped draft trained for ``target``, or None when none was."""
+    try:
+        mine = target_id(target)
+    except (ConfigError, AttributeError):
+        return None
+    for folder in shipped_folders():
+        if read_meta(folder).get("target_id") == mine and (folder / WEIGHTS).is_file():
+            draft = load_draft(folder, target, max_batch_size=max_batch_size)
+            return DraftModelProposer(draft, max_batch_size=max_batch_size)
+    return None
