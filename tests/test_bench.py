@@ -151,3 +151,23 @@ def test_conditional_acceptance_counts_only_reached_positions():
     assert conditional_acceptance(stats) == pytest.approx(5 / 6)
     assert stats.acceptance_rate == pytest.approx(5 / 8)
     assert draft_fraction(stats) == pytest.approx(2 / 3)
+
+
+def test_tune_prints_costs_acceptance_and_a_pick(tiny_model_folder, prompts_file, capsys):
+    code = main([
+        "tune", "--model", str(tiny_model_folder), "--prompt-lookup", "--prompts", str(prompts_file),
+        "--max-new-tokens", "8", "--k-max", "6", "--json",
+    ])  # fmt: skip
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["method"] == "prompt-lookup" and report["draft_cost"] >= 0
+    assert set(report["verify_cost_by_tokens"]) == {str(t) for t in range(1, 8)}
+    assert set(report["categories"]) == {"summarization", "coding", "all"}
+    for cat in report["categories"].values():
+        assert 0 <= cat["acceptance"] <= 1 and 0 <= cat["best_k"] <= 6
+        assert set(cat["expected_speedup"]) == {str(k) for k in range(1, 7)}
+
+
+def test_tune_bad_input_exits_2(prompts_file, capsys):
+    assert main(["tune", "--prompts", str(prompts_file), "--k-max", "0"]) == 2
+    assert "--k-max" in capsys.readouterr().err

@@ -20,6 +20,7 @@ from verispec.bench.measure import (
     conditional_acceptance,
     draft_fraction,
     forward_seconds,
+    load_average,
     lookup_seconds,
     machine_info,
     memory_bandwidth,
@@ -198,7 +199,13 @@ def run(args: argparse.Namespace) -> int:
 
     resolve(args.model)
     notes: list[str] = []
-    say = lambda msg: print(f"verispec bench: {msg}", file=sys.stderr)  # noqa: E731
+    t0 = time.perf_counter()
+    machine = machine_info()
+
+    def say(msg: str) -> None:
+        print(f"verispec bench [{time.perf_counter() - t0:5.0f} s]: {msg}", file=sys.stderr, flush=True)
+
+    say(f"{len(prompts)} prompts; loading {args.model}")
 
     targets = _load_targets(args, dtypes)
     main = targets[dtypes[0]]
@@ -284,6 +291,7 @@ def run(args: argparse.Namespace) -> int:
             draft_fraction(stats),
         )
 
+    say(f"running {len(configs)} configurations on {len(prompts)} prompts, interleaved")
     started = time.time()
     results = run_interleaved(
         configs,
@@ -324,8 +332,9 @@ def run(args: argparse.Namespace) -> int:
 
     memory = {"target_weights": first["weight_bytes_per_token"]}
     memory.update(memory_report(main, draft))
+    machine["load_average_at_end"] = load_average()
     results_json = {
-        "machine": machine_info(),
+        "machine": machine,
         "config": {
             "command": "verispec bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
             if len(sys.argv) > 1 and sys.argv[1] == "bench"

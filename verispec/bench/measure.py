@@ -42,6 +42,7 @@ def machine_info() -> dict:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "load_average_at_start": load_average(),
     }
     for name in ("transformers", "llama_cpp"):
         try:
@@ -62,6 +63,14 @@ def machine_info() -> dict:
     except (OSError, subprocess.SubprocessError):
         info["git_commit"] = None
     return info
+
+
+def load_average() -> list[float] | None:
+    """1, 5 and 15 minute load averages: above the core count, other jobs competed with the run."""
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def _median_seconds(fn: Callable[[], object], reps: int) -> float:

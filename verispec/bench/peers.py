@@ -119,7 +119,8 @@ class LlamaCppPeer:
         }
         self.plain = Llama(**common)
         self.lookup_drafter = LlamaPromptLookupDecoding()
-        self.lookup = Llama(draft_model=self.lookup_drafter, **common)
+        # logits_all sizes the score buffer a drafter needs (llama-cpp-python forgets to with draft_model).
+        self.lookup = Llama(draft_model=self.lookup_drafter, logits_all=True, **common)
         self.eos = set(eos_token_ids) | {int(self.plain.token_eos())}
         self.gguf = gguf
 

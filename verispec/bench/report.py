@@ -25,7 +25,8 @@ def markdown(results: dict) -> str:
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), "
         f"transformers {m['transformers']}, llama-cpp-python {m['llama_cpp'] or 'not installed'}; "
-        f"commit {m.get('git_commit') or '?'}.",
+        f"commit {m.get('git_commit') or '?'}; load average {m.get('load_average_at_start')} at start, "
+        f"{m.get('load_average_at_end')} at end.",
         f"Model {c['model']}, draft {c['draft_model'] or '-'}, {c['max_new_tokens']} new tokens, temperature "
         f"{c['temperature']}, {c['prompts']} prompts.",
         "",

@@ -1,0 +1,129 @@
+"""Measure a workload's draft cost c and acceptance a, and pick the draft length k.
+
+The pick maximises the expected speedup ``(1 - a^(k+1)) / ((1 - a)(k c + v(k)))`` (Leviathan et al.,
+2023), with the target's cost ``v(k)`` of verifying k + 1 tokens measured on this machine instead of
+taken as 1, and, for drafters that sometimes find nothing (prompt lookup), weighted by the fraction
+of steps that draft (see :mod:`verispec.bench.measure`). ``a`` is measured by generating the workload
+at a probe k; a category where no k beats plain decoding gets k = 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from verispec.bench.measure import (
+    conditional_acceptance,
+    draft_fraction,
+    forward_seconds,
+    lookup_seconds,
+    predicted_speedup,
+    verify_costs,
+)
+from verispec.bench.methods import MethodConfig, Sampling, run_ours
+from verispec.bench.prompts import load_prompts, select
+from verispec.commands.common import add_sampling_arguments, sampling_config
+from verispec.config import ConfigError
+from verispec.proposers import DraftModelProposer, PromptLookup
+from verispec.stats import GenerationStats
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``verispec tune``."""
+    p.add_argument(
+        "--model", default="default", help="target: packaged name, .gguf file, HF folder or hub id"
+    )
+    p.add_argument(
+        "--draft-model", default=None, help="draft model (default: the shipped draft, else lookup)"
+    )
+    p.add_argument("--prompt-lookup", action="store_true", help="tune n-gram prompt lookup")
+    p.add_argument(
+        "--prompts", default=None, help="Spec-Bench-format .jsonl (default: the shared Spec-Bench file)"
+    )
+    p.add_argument("--categories", default=None, help="comma list (default: every category)")
+    p.add_argument("--per-category", type=int, default=2, help="prompts per category (default 2)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--probe-k", type=int, default=4, help="draft length used to measure acceptance")
+    p.add_argument("--k-max", type=int, default=12, help="largest k considered")
+    add_sampling_arguments(p)
+    p.add_argument("--dtype", default="float32", help="weight format of the target")
+    p.add_argument("--backend", default="auto", choices=["auto", "fast", "hf"])
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Measure costs and acceptance, then print the expected speedup per k and the pick."""
+    if not 1 <= args.probe_k <= 64:
+        raise ConfigError(f"--probe-k must lie in 1..64, got {args.probe_k}")
+    if not 1 <= args.k_max <= 32:
+        raise ConfigError(f"--k-max must lie in 1..32, got {args.k_max}")
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.prompt_lookup and args.draft_model:
+        raise ConfigError("choose one drafter: --prompt-lookup or --draft-model, not both")
+    sampling = sampling_config(args)
+    categories = [c.strip() for c in (args.categories or "").split(",") if c.strip()] or None
+    prompts = select(load_prompts(args.prompts), categories, args.per_category)
+    from verispec.commands.drafters import build_proposer
+    from verispec.models.loading import load_model, resolve
+    from verispec.tokenizers import encode_prompt
+
+    resolve(args.model)
+    target = load_model(args.model, backend=args.backend, dtype=args.dtype)
+    proposer = build_proposer(target, args.draft_model, args.prompt_lookup, backend=args.backend)
+    method = "prompt-lookup" if isinstance(proposer, PromptLookup) else "draft-model"
+
+    step = forward_seconds(target, [1])[1]
+    if isinstance(proposer, DraftModelProposer):
+        draft_cost = forward_seconds(proposer.model, [1])[1] / step
+    else:
+        draft_cost = lookup_seconds(proposer) / step
+    verify = verify_costs(target, args.k_max + 1)
+
+    req = Sampling(args.max_new_tokens, sampling, args.seed)
+    cfg = MethodConfig(method, args.probe_k)
+    per_cat: dict[str, GenerationStats] = {}
+    total = GenerationStats()
+    for p in prompts:
+        ids = encode_prompt(target.tokenizer, p.text, chat=target.instruct)
+        stats = run_ours(target, proposer, ids, cfg, req).stats
+        per_cat.setdefault(p.category, GenerationStats()).merge(stats)
+        total.merge(stats)
+    per_cat["all"] = total
+
+    report = {"model": args.model, "method": method, "draft_cost": draft_cost, "probe_k": args.probe_k,
+              "verify_cost_by_tokens": {str(t): v for t, v in verify.items()}, "categories": {}}  # fmt: skip
+    for cat, stats in per_cat.items():
+        a, f = conditional_acceptance(stats), draft_fraction(stats) if method == "prompt-lookup" else 1.0
+        curve = {k: predicted_speedup(a, k, draft_cost, verify[k + 1], f) for k in range(1, args.k_max + 1)}
+        best = max(curve, key=curve.get)
+        report["categories"][cat] = {
+            "acceptance": a, "acceptance_rate": stats.acceptance_rate, "draft_fraction": f,
+            "expected_speedup": {str(k): s for k, s in curve.items()},
+            "best_k": best if curve[best] > 1.0 else 0, "best_expected_speedup": max(1.0, curve[best]),
+        }  # fmt: skip
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(_format(report))
+    return 0
+
+
+def _format(report: dict) -> str:
+    """The human-readable table: expected speedup per k for each category, and the pick."""
+    ks = list(next(iter(report["categories"].values()))["expected_speedup"])
+    lines = [
+        f"{report['method']} on {report['model']}: draft cost c = {report['draft_cost']:.3f} target steps "
+        f"per draft token; acceptance measured at k = {report['probe_k']}",
+        "verify cost v(k) = forward over k+1 tokens / 1 token: "
+        + " ".join(f"{int(t) - 1}:{v:.2f}" for t, v in report["verify_cost_by_tokens"].items() if int(t) > 1),
+        "expected speedup per k:",
+        f"{'category':<16}{'a':>6}{'drafts':>8}" + "".join(f"{'k=' + k:>7}" for k in ks) + "   best k",
+    ]
+    for cat, c in report["categories"].items():
+        curve = "".join(f"{c['expected_speedup'][k]:7.2f}" for k in ks)
+        lines.append(
+            f"{cat:<16}{c['acceptance']:6.2f}{c['draft_fraction']:8.0%}{curve}   "
+            f"{c['best_k']} ({c['best_expected_speedup']:.2f}x)"
+        )
+    return "\n".join(lines)
