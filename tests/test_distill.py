@@ -69,17 +69,23 @@ def test_early_exit_rejects_bad_depth():
         EarlyExitProposer(kv, num_layers=3)
 
 
-def _save_tiny_draft(kv, folder, vocab: int = 16):
-    cfg = new_config(kv.hf_model, [0], vocab)
+def _save_tiny_draft(kv, folder, vocab: int = 16, trained_head: bool = False):
+    cfg = new_config(kv.hf_model, [0], vocab, trained_head=trained_head)
     model = build_draft(kv, cfg, torch.arange(vocab))
+    if trained_head:
+        with torch.no_grad():
+            model.head.mul_(3.0)  # differs from the target's rows: must survive the round trip
     save_draft(folder, model, {"target_name": "tiny", "target_id": target_id(kv)})
     return model
 
 
-def test_subset_draft_never_proposes_outside_its_vocabulary_and_stays_lossless(tmp_path):
+@pytest.mark.parametrize("trained_head", [False, True])
+def test_subset_draft_never_proposes_outside_its_vocabulary_and_stays_lossless(tmp_path, trained_head):
     _, kv = _target()
-    _save_tiny_draft(kv, tmp_path, vocab=16)
+    saved = _save_tiny_draft(kv, tmp_path, vocab=16, trained_head=trained_head)
     draft = load_draft(tmp_path, kv)
+    stored = saved.head.detach().half().float() if trained_head else saved.head  # trained rows ship as fp16
+    torch.testing.assert_close(draft.model.head, stored)
     logits = draft.forward(torch.tensor([[1, 2, 3]]), logits="last")[0]
     assert torch.isinf(logits[16:]).all() and torch.isfinite(logits[:16]).all()
     prompt = [5, 6, 7]

@@ -33,10 +33,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gen-batch", type=int, default=32, help="prompts answered together")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
     p.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt")
+    p.add_argument("--time-budget", type=float, help="stop training after this many minutes (resumable)")
     p.add_argument(
         "--layers", default="0,1", help="target layers the draft's layers start from (default 0,1)"
     )
     p.add_argument("--draft-vocab", type=int, default=8192, help="tokens scored by the draft's head")
+    p.add_argument(
+        "--train-head",
+        action="store_true",
+        help="train (and store) the head's rows too, instead of using the target's",
+    )
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--batch-tokens", type=int, default=3072, help="padded tokens per optimizer step")
     p.add_argument(
@@ -98,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         train.new_config(target.hf_model, layers, 0).vocab_size,
         always=getattr(target, "eos_token_ids", ()),
     )
-    cfg = train.new_config(target.hf_model, layers, len(vocab_ids))
+    cfg = train.new_config(target.hf_model, layers, len(vocab_ids), trained_head=args.train_head)
     model = shipped.build_draft(target, cfg, vocab_ids)
     held_out = train.eval_prompts(args.eval_per_category)
     target.reset(1)
@@ -122,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
         lr=args.lr,
         batch_tokens=args.batch_tokens,
         resume=args.resume,
+        time_budget_s=args.time_budget * 60 if args.time_budget else None,
         seed=args.seed,
         progress=progress,
     )

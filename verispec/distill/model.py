@@ -46,6 +46,7 @@ class DraftConfig:
     vocab_size: int  # the target's vocabulary: width of the logits handed to the proposer
     draft_vocab: int  # tokens the head scores (== vocab_size for a full head)
     init_layers: tuple[int, ...]  # target layers the draft's layers were initialised from
+    trained_head: bool = False  # the head's rows are trained (and stored) rather than the target's
 
     def to_dict(self) -> dict:
         """JSON-ready form."""
@@ -137,11 +138,12 @@ class DraftLM(nn.Module):
         self.embed = embed.detach()
         self.vocab_ids = vocab_ids
         # [draft_vocab, hidden]: a view when the head is the target's full head, a small copy otherwise.
-        self.head = head.detach() if vocab_ids is None else head.detach()[vocab_ids].clone()
+        rows = head.detach() if vocab_ids is None else head.detach()[vocab_ids].clone()
+        self.head = nn.Parameter(rows.float()) if cfg.trained_head else rows
         self.inv_freq = inv_freq.detach().float()  # [head_dim / 2]
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
-        """What a trained draft stores: its layers and final norm (not the target's embeddings/head)."""
+        """What a trained draft stores: layers, final norm, the head when trained (never embeddings)."""
         return {k: v for k, v in self.state_dict().items()}
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

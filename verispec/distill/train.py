@@ -125,8 +125,13 @@ def train(
     checkpoint_every: int = 25,
     seed: int = 0,
     progress: bool = True,
+    time_budget_s: float | None = None,
 ) -> dict:
-    """Distill for ``steps`` optimizer steps (cosine schedule), checkpointing to ``out/checkpoint.pt``."""
+    """Distill for ``steps`` optimizer steps (cosine schedule), checkpointing to ``out/checkpoint.pt``.
+
+    With ``time_budget_s``, stops after the step that exhausts it (checkpointed, so ``resume`` with
+    the same ``steps`` finishes the schedule later).
+    """
     from tqdm import tqdm
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -162,16 +167,20 @@ def train(
         history.append({"step": step + 1, "loss": round(loss.item(), 4), "top1": round(agree, 4)})
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{agree:.3f}")
-        if (step + 1) % checkpoint_every == 0 or step + 1 == steps:
+        over = time_budget_s is not None and time.time() - t0 > time_budget_s
+        if (step + 1) % checkpoint_every == 0 or step + 1 == steps or over:
             tmp = out / "checkpoint.pt.tmp"
             torch.save(
                 {"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1, "history": history},
                 tmp,
             )
             tmp.replace(ckpt)
+        if over:
+            break
     bar.close()
     model.eval()
-    return {"steps": steps, "seconds": round(time.time() - t0, 1), "history": history[-5:]}
+    done = history[-1]["step"] if history else 0
+    return {"steps": done, "of_steps": steps, "seconds": round(time.time() - t0, 1), "history": history[-5:]}
 
 
 def eval_prompts(count_per_category: int, path: str | Path | None = None) -> list[tuple[str, str]]:
@@ -233,7 +242,7 @@ def measure_acceptance(
     return {"overall": fig(total), "by_category": {c: fig(s) for c, s in per.items()}}
 
 
-def new_config(target_hf, layers: Sequence[int], draft_vocab: int) -> DraftConfig:
+def new_config(target_hf, layers: Sequence[int], draft_vocab: int, trained_head: bool = False) -> DraftConfig:
     """A DraftConfig for ``target_hf`` with layers copied from the target's ``layers``."""
     c = target_hf.config
     return DraftConfig(
@@ -247,4 +256,5 @@ def new_config(target_hf, layers: Sequence[int], draft_vocab: int) -> DraftConfi
         vocab_size=int(target_hf.get_output_embeddings().weight.shape[0]),
         draft_vocab=draft_vocab,
         init_layers=tuple(layers),
+        trained_head=trained_head,
     )
