@@ -1,0 +1,132 @@
+"""Greedy speculative output equals plain greedy output, token for token."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_llama
+
+import verispec
+from verispec.api import as_kvmodel
+
+SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    target = tiny_llama(vocab_size=64, seed=0, layers=2, hidden=32)
+    draft = tiny_llama(vocab_size=64, seed=1, layers=1, hidden=32)
+    return target, draft
+
+
+def repetitive_prompt(n: int = 24, seed: int = 0) -> torch.Tensor:
+    """A prompt with repeats, so prompt lookup finds matches (and mismatches)."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(0, 64, (8,), generator=g)
+    return torch.cat([base, torch.randint(0, 64, (4,), generator=g), base[:5], base])[:n]
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+@pytest.mark.parametrize("drafter", ["draft-model", "prompt-lookup", "self"])
+def test_tiny_float64_greedy_equals_plain(tiny_pair, k, drafter):
+    target, draft = tiny_pair
+    prompt = repetitive_prompt()
+    plain = verispec.speculative_generate(target, None, prompt, max_new_tokens=40, temperature=0)
+    hf = target.generate(prompt[None], max_new_tokens=40, do_sample=False, min_new_tokens=40)
+    assert plain.token_ids == hf[0, len(prompt):].tolist()
+    chosen = {"draft-model": draft, "prompt-lookup": verispec.PromptLookup(), "self": target}[drafter]
+    spec = verispec.speculative_generate(target, chosen, prompt, max_new_tokens=40, temperature=0,
+                                         num_speculative_tokens=k)
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.draft_tokens > 0
+    assert len(spec.stats.accepted_per_position) <= k
+    if drafter == "self":
+        assert spec.stats.acceptance_rate == 1.0
+
+
+def test_batch_greedy_equals_rows_alone(tiny_pair):
+    """Rows of different lengths in one batch give what each gives alone (ragged caches)."""
+    target, draft = tiny_pair
+    prompts = [repetitive_prompt(24, 0).tolist(), repetitive_prompt(13, 1).tolist()]
+    batch = verispec.speculative_generate(target, draft, prompts, max_new_tokens=20, temperature=0,
+                                          num_speculative_tokens=3)
+    for prompt, got in zip(prompts, batch):
+        alone = verispec.speculative_generate(target, None, prompt, max_new_tokens=20, temperature=0)
+        assert got.token_ids == alone.token_ids
+
+
+def test_adaptive_greedy_equals_plain(tiny_pair):
+    target, draft = tiny_pair
+    prompt = repetitive_prompt()
+    plain = verispec.speculative_generate(target, None, prompt, max_new_tokens=30, temperature=0)
+    for chosen in (draft, verispec.PromptLookup()):
+        spec = verispec.speculative_generate(target, chosen, prompt, max_new_tokens=30, temperature=0,
+                                             num_speculative_tokens=4, adaptive=True)
+        assert spec.token_ids == plain.token_ids
+
+
+def test_never_more_tokens_than_asked(tiny_pair):
+    target, _ = tiny_pair
+    prompt = repetitive_prompt()
+    for n in (1, 2, 5, 9):
+        out = verispec.speculative_generate(target, target, prompt, max_new_tokens=n, temperature=0,
+                                            num_speculative_tokens=8)
+        assert len(out.token_ids) == n
+        assert out.finish_reason == "length"
+
+
+def test_stops_at_eos(tiny_pair):
+    target, _ = tiny_pair
+    prompt = repetitive_prompt()
+    plain = verispec.speculative_generate(target, None, prompt, max_new_tokens=30, temperature=0)
+    eos = plain.token_ids[5]
+    kv = as_kvmodel(target)
+    kv.eos_token_ids = [eos]
+    try:
+        out = verispec.speculative_generate(target, target, prompt, max_new_tokens=30, temperature=0)
+    finally:
+        kv.eos_token_ids = []
+    first = plain.token_ids.index(eos)
+    assert out.token_ids == plain.token_ids[: first + 1]
+    assert out.finish_reason == "stop"
+
+
+def test_transformers_drop_in(tiny_pair):
+    """verispec.generate takes model.generate's arguments and returns the same ids."""
+    target, draft = tiny_pair
+    prompt = repetitive_prompt()[None]
+    expected = target.generate(prompt, max_new_tokens=15, do_sample=False, min_new_tokens=15)
+    got = verispec.generate(target, input_ids=prompt, assistant_model=draft, max_new_tokens=15, do_sample=False)
+    assert torch.equal(got, expected)
+    got = verispec.generate(target, input_ids=prompt, prompt_lookup_num_tokens=5, max_new_tokens=15,
+                            do_sample=False)
+    assert torch.equal(got, expected)
+
+
+def spec_bench_prompts(n_per_category: int = 1, categories=("summarization", "coding", "qa")) -> list[str]:
+    rows = [json.loads(line) for line in SPEC_BENCH.read_text().splitlines() if line.strip()]
+    out = []
+    for cat in categories:
+        out += [r["turns"][0] for r in rows if r["category"] == cat][:n_per_category]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SPEC_BENCH.is_file(), reason="Spec-Bench file not present")
+def test_default_model_greedy_equals_plain(default_model, tiny_model_folder):
+    """On the real default model and real prompts, with both drafters and k in {1, 4, 8}."""
+    from verispec.models.loading import load_model
+    from verispec.tokenizers import encode_prompt
+
+    small_draft = load_model(str(tiny_model_folder))  # same tokenizer, random weights: many rejections
+    for text in spec_bench_prompts():
+        ids = encode_prompt(default_model.tokenizer, text, chat=True)
+        plain = verispec.speculative_generate(default_model, None, ids, max_new_tokens=32, temperature=0)
+        for k in (1, 4, 8):
+            for drafter in (small_draft, verispec.PromptLookup()):
+                spec = verispec.speculative_generate(default_model, drafter, ids, max_new_tokens=32,
+                                                     temperature=0, num_speculative_tokens=k)
+                assert spec.token_ids == plain.token_ids, (k, type(drafter).__name__, text[:40])
