@@ -7,6 +7,7 @@ import logging
 from verispec.api import make_proposer
 from verispec.models.base import KVModel
 from verispec.proposers import PromptLookup, Proposer
+from verispec.tokenizers import check_compatible
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +23,7 @@ def build_proposer(
 ) -> Proposer:
     """The proposer named by the options; with none named, the shipped draft for the target when there
     is one, else prompt lookup."""
-    from verispec.models.loading import load_model
+    from verispec.models.loading import load_model, load_tokenizer
 
     if prompt_lookup:
         return PromptLookup()
@@ -33,6 +34,8 @@ def build_proposer(
         if draft_model == "default":
             log.warning("no shipped draft for this target yet; using prompt lookup")
         return PromptLookup()
+    # Compare tokenizers before paying for the draft's weights.
+    check_compatible(target.tokenizer, load_tokenizer(draft_model))
     draft = load_model(draft_model, backend=backend, dtype=dtype, max_batch_size=max_batch_size,
                        max_length=target.max_length)
     return make_proposer(target, draft, max_batch_size=max_batch_size)

@@ -113,12 +113,27 @@ def converted_folder(gguf: Path) -> Path:
     return out
 
 
+def model_folder(spec: str) -> Path | str:
+    """A folder (or hub id) transformers can load for ``spec``, converting a GGUF once."""
+    kind, where = resolve(spec)
+    return converted_folder(Path(where)) if kind == "gguf" else where
+
+
+def load_tokenizer(spec: str):
+    """Only the tokenizer of a spec (cheap next to the weights): lets checks run before loading models."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_folder(spec))
+    except OSError as exc:
+        raise ModelNotFoundError(f"could not load the tokenizer of {spec!r}: {str(exc).splitlines()[0]}") from exc
+
+
 def load_hf(spec: str) -> tuple[torch.nn.Module, object, bool]:
     """Load ``(hf_model, tokenizer, is_instruct)`` for a spec."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    kind, where = resolve(spec)
-    folder = converted_folder(Path(where)) if kind == "gguf" else where
+    folder = model_folder(spec)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
