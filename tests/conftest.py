@@ -12,14 +12,22 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
-def tiny_llama(vocab_size: int = 64, *, seed: int = 0, layers: int = 2, hidden: int = 32, dtype=torch.float64):
+def tiny_llama(
+    vocab_size: int = 64, *, seed: int = 0, layers: int = 2, hidden: int = 32, dtype=torch.float64
+):
     """A random Llama small enough for exhaustive tests."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=512)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     return LlamaForCausalLM(cfg).to(dtype).eval()
 
 
@@ -49,9 +57,18 @@ def tiny_model_folder(tmp_path_factory, default_model_folder) -> Path:
 
     tok = AutoTokenizer.from_pretrained(default_model_folder)
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     model = LlamaForCausalLM(cfg)
     out = tmp_path_factory.mktemp("tiny_model")
     model.save_pretrained(out)

@@ -35,21 +35,46 @@ def other_tokenizer_folder(tmp_path_factory, tiny_model_folder):
 
 
 def test_generate_json_tiny(tiny_model_folder):
-    res = run("generate", "Tell me a story.", "--model", str(tiny_model_folder), "--prompt-lookup",
-              "--max-new-tokens", "12", "--json")
+    res = run(
+        "generate",
+        "Tell me a story.",
+        "--model",
+        str(tiny_model_folder),
+        "--prompt-lookup",
+        "--max-new-tokens",
+        "12",
+        "--json",
+    )
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert set(out) >= {"text", "token_ids", "stats"}
     assert len(out["token_ids"]) <= 12
     stats = out["stats"]
-    for key in ("new_tokens", "seconds", "tokens_per_second", "target_calls", "draft_tokens", "accepted_tokens",
-                "acceptance_rate", "mean_accepted_length", "accepted_per_position"):
+    for key in (
+        "new_tokens",
+        "seconds",
+        "tokens_per_second",
+        "target_calls",
+        "draft_tokens",
+        "accepted_tokens",
+        "acceptance_rate",
+        "mean_accepted_length",
+        "accepted_per_position",
+    ):
         assert key in stats
     assert stats["new_tokens"] == len(out["token_ids"])
 
 
 def test_generate_draft_model_matches_plain(tiny_model_folder):
-    base = ["generate", "Name three colours.", "--model", str(tiny_model_folder), "--max-new-tokens", "10", "--json"]
+    base = [
+        "generate",
+        "Name three colours.",
+        "--model",
+        str(tiny_model_folder),
+        "--max-new-tokens",
+        "10",
+        "--json",
+    ]
     plain = json.loads(run(*base, "-k", "0").stdout)
     spec = json.loads(run(*base, "--draft-model", str(tiny_model_folder), "-k", "3").stdout)
     assert spec["token_ids"] == plain["token_ids"]
@@ -58,8 +83,17 @@ def test_generate_draft_model_matches_plain(tiny_model_folder):
 
 
 def test_generate_streams_text_and_stats(tiny_model_folder):
-    res = run("generate", "Hi", "--model", str(tiny_model_folder), "--max-new-tokens", "8", "--color",
-              "--draft-model", str(tiny_model_folder))
+    res = run(
+        "generate",
+        "Hi",
+        "--model",
+        str(tiny_model_folder),
+        "--max-new-tokens",
+        "8",
+        "--color",
+        "--draft-model",
+        str(tiny_model_folder),
+    )
     assert res.returncode == 0, res.stderr
     assert "tokens/s" in res.stderr and "accepted/position" in res.stderr
     assert "\033[32m" in res.stdout  # accepted draft tokens are coloured
@@ -94,7 +128,9 @@ def test_prompt_longer_than_context(tiny_model_folder):
 
 
 def test_mismatched_tokenizer_fails_before_generating(tiny_model_folder, other_tokenizer_folder):
-    res = run("generate", "hi", "--model", str(tiny_model_folder), "--draft-model", str(other_tokenizer_folder))
+    res = run(
+        "generate", "hi", "--model", str(tiny_model_folder), "--draft-model", str(other_tokenizer_folder)
+    )
     assert res.returncode == 2
     assert "tokenizers differ" in res.stderr and "vocabulary sizes differ" in res.stderr
     assert res.stdout == ""
@@ -102,8 +138,14 @@ def test_mismatched_tokenizer_fails_before_generating(tiny_model_folder, other_t
 
 @pytest.mark.slow
 def test_generate_default_model_text_and_json():
-    res = run("generate", "What is the capital of France?", "--max-new-tokens", "24", "--prompt-lookup",
-              "--no-color")
+    res = run(
+        "generate",
+        "What is the capital of France?",
+        "--max-new-tokens",
+        "24",
+        "--prompt-lookup",
+        "--no-color",
+    )
     assert res.returncode == 0, res.stderr
     assert "Paris" in res.stdout
     res = run("generate", "What is the capital of France?", "--max-new-tokens", "24", "--json")

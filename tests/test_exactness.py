@@ -64,15 +64,24 @@ def exact_law(table: np.ndarray, start: int, **sampling) -> dict[tuple[int, ...]
     return law
 
 
-TARGET = np.array([[2.0, 0.5, -1.0, 0.3], [0.1, 1.5, 0.2, -0.5], [1.0, -1.0, 1.2, 0.0], [0.0, 0.4, -0.3, 1.1]])
+TARGET = np.array(
+    [[2.0, 0.5, -1.0, 0.3], [0.1, 1.5, 0.2, -0.5], [1.0, -1.0, 1.2, 0.0], [0.0, 0.4, -0.3, 1.1]]
+)
 DRAFT = np.array([[-1.0, 1.5, 0.5, 0.0], [1.2, -0.4, 0.6, 0.1], [0.0, 0.9, -0.5, 1.0], [1.3, 0.2, 0.2, -0.8]])
 
 
 def empirical_law(temperature, top_k, top_p, k=2, seed=0):
     prompts = torch.zeros(N, 1, dtype=torch.int64)
     results = verispec.speculative_generate(
-        Bigram(TARGET), Bigram(DRAFT), prompts, max_new_tokens=STEPS, num_speculative_tokens=k,
-        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        Bigram(TARGET),
+        Bigram(DRAFT),
+        prompts,
+        max_new_tokens=STEPS,
+        num_speculative_tokens=k,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
     )
     counts: dict[tuple[int, ...], int] = {}
     for r in results:
@@ -116,7 +125,11 @@ def broken_rejection_sample(draft_tokens, draft_probs, target_probs, num_draft, 
     batch, k = draft_tokens.shape
     rand = uniforms(generators, k + 1, target_probs.dtype)
     p_t = target_probs[:, :k].gather(-1, draft_tokens[..., None])[..., 0]
-    p_d = torch.ones_like(p_t) if draft_probs is None else draft_probs.gather(-1, draft_tokens[..., None])[..., 0]
+    p_d = (
+        torch.ones_like(p_t)
+        if draft_probs is None
+        else draft_probs.gather(-1, draft_tokens[..., None])[..., 0]
+    )
     accept = (rand[:, :k] * p_d < p_t) & (torch.arange(k)[None] < num_draft[:, None])
     num_accepted = accept.long().cumprod(1).sum(1)
     final = target_probs.gather(1, num_accepted.view(batch, 1, 1).expand(-1, 1, target_probs.shape[-1]))[:, 0]
@@ -152,8 +165,9 @@ def test_reference_implementation_follows_target_law():
     n = 4000
     counts: dict[tuple[int, ...], int] = {}
     for _ in range(n):
-        out = speculative_decode(Bigram(TARGET), Bigram(DRAFT), torch.tensor([0]), max_new_tokens=2, k=2,
-                                 generator=gen)
+        out = speculative_decode(
+            Bigram(TARGET), Bigram(DRAFT), torch.tensor([0]), max_new_tokens=2, k=2, generator=gen
+        )
         key = tuple(out[1:].tolist())
         counts[key] = counts.get(key, 0) + 1
     rows = [reference_transform(TARGET[i], 1.0, None, None) for i in range(V)]

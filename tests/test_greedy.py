@@ -36,10 +36,11 @@ def test_tiny_float64_greedy_equals_plain(tiny_pair, k, drafter):
     prompt = repetitive_prompt()
     plain = verispec.speculative_generate(target, None, prompt, max_new_tokens=40, temperature=0)
     hf = target.generate(prompt[None], max_new_tokens=40, do_sample=False, min_new_tokens=40)
-    assert plain.token_ids == hf[0, len(prompt):].tolist()
+    assert plain.token_ids == hf[0, len(prompt) :].tolist()
     chosen = {"draft-model": draft, "prompt-lookup": verispec.PromptLookup(), "self": target}[drafter]
-    spec = verispec.speculative_generate(target, chosen, prompt, max_new_tokens=40, temperature=0,
-                                         num_speculative_tokens=k)
+    spec = verispec.speculative_generate(
+        target, chosen, prompt, max_new_tokens=40, temperature=0, num_speculative_tokens=k
+    )
     assert spec.token_ids == plain.token_ids
     assert spec.stats.draft_tokens > 0
     assert len(spec.stats.accepted_per_position) <= k
@@ -51,8 +52,9 @@ def test_batch_greedy_equals_rows_alone(tiny_pair):
     """Rows of different lengths in one batch give what each gives alone (ragged caches)."""
     target, draft = tiny_pair
     prompts = [repetitive_prompt(24, 0).tolist(), repetitive_prompt(13, 1).tolist()]
-    batch = verispec.speculative_generate(target, draft, prompts, max_new_tokens=20, temperature=0,
-                                          num_speculative_tokens=3)
+    batch = verispec.speculative_generate(
+        target, draft, prompts, max_new_tokens=20, temperature=0, num_speculative_tokens=3
+    )
     for prompt, got in zip(prompts, batch):
         alone = verispec.speculative_generate(target, None, prompt, max_new_tokens=20, temperature=0)
         assert got.token_ids == alone.token_ids
@@ -63,8 +65,9 @@ def test_adaptive_greedy_equals_plain(tiny_pair):
     prompt = repetitive_prompt()
     plain = verispec.speculative_generate(target, None, prompt, max_new_tokens=30, temperature=0)
     for chosen in (draft, verispec.PromptLookup()):
-        spec = verispec.speculative_generate(target, chosen, prompt, max_new_tokens=30, temperature=0,
-                                             num_speculative_tokens=4, adaptive=True)
+        spec = verispec.speculative_generate(
+            target, chosen, prompt, max_new_tokens=30, temperature=0, num_speculative_tokens=4, adaptive=True
+        )
         assert spec.token_ids == plain.token_ids
 
 
@@ -72,8 +75,9 @@ def test_never_more_tokens_than_asked(tiny_pair):
     target, _ = tiny_pair
     prompt = repetitive_prompt()
     for n in (1, 2, 5, 9):
-        out = verispec.speculative_generate(target, target, prompt, max_new_tokens=n, temperature=0,
-                                            num_speculative_tokens=8)
+        out = verispec.speculative_generate(
+            target, target, prompt, max_new_tokens=n, temperature=0, num_speculative_tokens=8
+        )
         assert len(out.token_ids) == n
         assert out.finish_reason == "length"
 
@@ -99,10 +103,13 @@ def test_transformers_drop_in(tiny_pair):
     target, draft = tiny_pair
     prompt = repetitive_prompt()[None]
     expected = target.generate(prompt, max_new_tokens=15, do_sample=False, min_new_tokens=15)
-    got = verispec.generate(target, input_ids=prompt, assistant_model=draft, max_new_tokens=15, do_sample=False)
+    got = verispec.generate(
+        target, input_ids=prompt, assistant_model=draft, max_new_tokens=15, do_sample=False
+    )
     assert torch.equal(got, expected)
-    got = verispec.generate(target, input_ids=prompt, prompt_lookup_num_tokens=5, max_new_tokens=15,
-                            do_sample=False)
+    got = verispec.generate(
+        target, input_ids=prompt, prompt_lookup_num_tokens=5, max_new_tokens=15, do_sample=False
+    )
     assert torch.equal(got, expected)
 
 
@@ -127,6 +134,7 @@ def test_default_model_greedy_equals_plain(default_model, tiny_model_folder):
         plain = verispec.speculative_generate(default_model, None, ids, max_new_tokens=32, temperature=0)
         for k in (1, 4, 8):
             for drafter in (small_draft, verispec.PromptLookup()):
-                spec = verispec.speculative_generate(default_model, drafter, ids, max_new_tokens=32,
-                                                     temperature=0, num_speculative_tokens=k)
+                spec = verispec.speculative_generate(
+                    default_model, drafter, ids, max_new_tokens=32, temperature=0, num_speculative_tokens=k
+                )
                 assert spec.token_ids == plain.token_ids, (k, type(drafter).__name__, text[:40])

@@ -36,7 +36,10 @@ def test_random_accepts_and_rejects_match_fresh_forward(name, factory):
     kv = factory(model)
     kv.reset(2)
     g = torch.Generator().manual_seed(0)
-    committed = [torch.randint(0, 64, (9,), generator=g).tolist(), torch.randint(0, 64, (5,), generator=g).tolist()]
+    committed = [
+        torch.randint(0, 64, (9,), generator=g).tolist(),
+        torch.randint(0, 64, (5,), generator=g).tolist(),
+    ]
     for row, toks in enumerate(committed):
         kv.forward(torch.tensor([toks[:-1]]), rows=[row], logits="none")
     for _ in range(12):
@@ -45,11 +48,15 @@ def test_random_accepts_and_rejects_match_fresh_forward(name, factory):
         inputs = torch.cat([torch.tensor([[c[-1]] for c in committed]), drafts], dim=1)
         logits = kv.forward(inputs, logits="all")  # [2, 5, V]
         for row in range(2):
-            fresh = model(torch.tensor([committed[row] + drafts[row].tolist()])).logits[0, len(committed[row]) - 1 :]
+            fresh = model(torch.tensor([committed[row] + drafts[row].tolist()])).logits[
+                0, len(committed[row]) - 1 :
+            ]
             torch.testing.assert_close(logits[row], fresh, rtol=1e-4, atol=1e-4)
         kept = torch.randint(0, 5, (2,), generator=g)
         for row in range(2):
-            committed[row] += drafts[row, : int(kept[row])].tolist() + [int(torch.randint(0, 64, (1,), generator=g))]
+            committed[row] += drafts[row, : int(kept[row])].tolist() + [
+                int(torch.randint(0, 64, (1,), generator=g))
+            ]
         kv.truncate(torch.tensor([len(c) - 1 for c in committed]))
         assert kv.lengths.tolist() == [len(c) - 1 for c in committed]
 
@@ -59,10 +66,14 @@ def test_engine_keeps_invariant_every_step(drafter):
     target = tiny_llama(vocab_size=64, seed=0, dtype=torch.float32)
     draft_hf = tiny_llama(vocab_size=64, seed=1, layers=1, dtype=torch.float32)
     target_kv = wrap(target)
-    proposer = (DraftModelProposer(wrap(draft_hf), max_batch_size=2) if drafter == "draft-model"
-                else verispec.PromptLookup())
-    config = GenerationConfig(max_new_tokens=25, num_speculative_tokens=4,
-                              sampling=SamplingConfig(temperature=1.0), seed=5)
+    proposer = (
+        DraftModelProposer(wrap(draft_hf), max_batch_size=2)
+        if drafter == "draft-model"
+        else verispec.PromptLookup()
+    )
+    config = GenerationConfig(
+        max_new_tokens=25, num_speculative_tokens=4, sampling=SamplingConfig(temperature=1.0), seed=5
+    )
     prompts = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9]]
     steps = 0
     for events in stream_generate(target_kv, proposer, prompts, config):

@@ -52,21 +52,30 @@ def as_kvmodel(model, *, fresh: bool = False) -> KVModel:
         return kv
     if hasattr(model, "logits"):
         return LogitsModel(model)
-    raise TypeError(f"cannot use {type(model).__name__} as a model: give a KVModel, a transformers model, "
-                    "or an object with .logits(ids)")
+    raise TypeError(
+        f"cannot use {type(model).__name__} as a model: give a KVModel, a transformers model, "
+        "or an object with .logits(ids)"
+    )
 
 
-def make_proposer(target: KVModel, draft, *, target_obj=None, max_batch_size: int = 1,
-                  confidence_threshold: float = 0.0) -> Proposer | None:
+def make_proposer(
+    target: KVModel, draft, *, target_obj=None, max_batch_size: int = 1, confidence_threshold: float = 0.0
+) -> Proposer | None:
     """A proposer for ``draft``: None, a Proposer, or any model (checked against the target's tokenizer)."""
     if draft is None:
         return None
     if hasattr(draft, "propose") and hasattr(draft, "start"):
         return draft
     draft_kv = as_kvmodel(draft, fresh=draft is target_obj or draft is target)
-    check_compatible(getattr(target, "tokenizer", None), getattr(draft_kv, "tokenizer", None),
-                     target.vocab_size, draft_kv.vocab_size)
-    return DraftModelProposer(draft_kv, max_batch_size=max_batch_size, confidence_threshold=confidence_threshold)
+    check_compatible(
+        getattr(target, "tokenizer", None),
+        getattr(draft_kv, "tokenizer", None),
+        target.vocab_size,
+        draft_kv.vocab_size,
+    )
+    return DraftModelProposer(
+        draft_kv, max_batch_size=max_batch_size, confidence_threshold=confidence_threshold
+    )
 
 
 def _decoder(model: KVModel):
@@ -91,11 +100,17 @@ def _as_rows(input_ids) -> tuple[list[list[int]], bool]:
     return [list(map(int, seq))], False
 
 
-def stream_generate(target: KVModel, proposer: Proposer | None, prompts: Sequence[Sequence[int]],
-                    config: GenerationConfig) -> Iterator[list[StepEvent]]:
+def stream_generate(
+    target: KVModel, proposer: Proposer | None, prompts: Sequence[Sequence[int]], config: GenerationConfig
+) -> Iterator[list[StepEvent]]:
     """Run prompts as one batch, yielding each step's events; the final states are in the events."""
-    engine = Engine(target, proposer, eos_token_ids=getattr(target, "eos_token_ids", ()),
-                    decode=_decoder(target), adaptive=adapt_k)
+    engine = Engine(
+        target,
+        proposer,
+        eos_token_ids=getattr(target, "eos_token_ids", ()),
+        decode=_decoder(target),
+        adaptive=adapt_k,
+    )
     seqs = [engine.new_sequence(p, config) for p in prompts]
     if config.seed is not None:  # distinct but reproducible streams for rows of one batch
         for i, s in enumerate(seqs):
@@ -105,8 +120,13 @@ def stream_generate(target: KVModel, proposer: Proposer | None, prompts: Sequenc
 
 def result_of(seq: SequenceState) -> GenerationResult:
     """Package a finished sequence."""
-    return GenerationResult(token_ids=list(seq.output_ids), text=seq.text, stats=seq.stats,
-                            finish_reason=seq.finish_reason or "length", from_draft=list(seq.from_draft))
+    return GenerationResult(
+        token_ids=list(seq.output_ids),
+        text=seq.text,
+        stats=seq.stats,
+        finish_reason=seq.finish_reason or "length",
+        from_draft=list(seq.from_draft),
+    )
 
 
 def speculative_generate(
@@ -148,8 +168,11 @@ def speculative_generate(
     )
     rows, batched = _as_rows(input_ids)
     target_kv = as_kvmodel(target)
-    proposer = make_proposer(target_kv, draft, target_obj=target, max_batch_size=len(rows)) \
-        if num_speculative_tokens > 0 else None
+    proposer = (
+        make_proposer(target_kv, draft, target_obj=target, max_batch_size=len(rows))
+        if num_speculative_tokens > 0
+        else None
+    )
     final: list[StepEvent] = []
     seqs: dict[int, SequenceState] = {}
     for final in stream_generate(target_kv, proposer, rows, config):
@@ -215,11 +238,22 @@ def generate(
         draft, k = PromptLookup(), int(prompt_lookup_num_tokens)
     else:
         draft = assistant_model
-        k = int(num_assistant_tokens or getattr(getattr(assistant_model, "generation_config", None),
-                                                "num_assistant_tokens", None) or 4)
-    results = speculative_generate(model, draft, prompts if len(prompts) > 1 else prompts[0],
-                                   max_new_tokens=int(max_new), num_speculative_tokens=k if draft else 0,
-                                   temperature=temp, top_k=k_top, top_p=p_top, seed=seed)
+        k = int(
+            num_assistant_tokens
+            or getattr(getattr(assistant_model, "generation_config", None), "num_assistant_tokens", None)
+            or 4
+        )
+    results = speculative_generate(
+        model,
+        draft,
+        prompts if len(prompts) > 1 else prompts[0],
+        max_new_tokens=int(max_new),
+        num_speculative_tokens=k if draft else 0,
+        temperature=temp,
+        top_k=k_top,
+        top_p=p_top,
+        seed=seed,
+    )
     results = results if isinstance(results, list) else [results]
     pad = getattr(gc, "pad_token_id", None)
     if pad is None:

