@@ -79,7 +79,9 @@ class BatchPolicy:
     draft at most ``k_cap`` tokens; batches larger than the last entry do not speculate.
     """
 
-    limits: tuple[tuple[int, int], ...] = ((4, 64), (8, 2))
+    limits: tuple[tuple[int, int], ...] = ((1, 64), (2, 1))
+    """Measured on SmolLM2-135M with prompt lookup on 2 CPU cores: k = 1..4 gave 1.5-2.2x at batch 1 and
+    0.25-0.67x at batch 4; batch 2 was not measured and gets k <= 1 (see ``benchmarks/SERVER.md``)."""
 
     def cap(self, batch: int) -> int:
         """The largest draft length allowed for a batch of ``batch`` sequences."""
