@@ -104,3 +104,23 @@ def test_seeded_rows_are_reproducible():
     b = rejection_sample(toks, draft_probs, target_probs, torch.tensor([3, 3]), gens)
     assert torch.equal(a.tokens, b.tokens)
     assert math.isclose(float(a.num_accepted.sum()), float(b.num_accepted.sum()))
+
+
+def test_greedy_verify_equals_rejection_sample_on_one_hot():
+    from verispec.rejection import greedy_verify
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        k = int(torch.randint(1, 6, (1,), generator=g))
+        logits = torch.randn(3, k + 1, V, generator=g, dtype=torch.float64)
+        best = logits.argmax(-1)
+        # Drafts agree with the argmax for a random prefix, then differ.
+        draft = torch.where(
+            torch.rand(3, k, generator=g) < 0.7, best[:, :k], torch.randint(0, V, (3, k), generator=g)
+        )
+        num_draft = torch.randint(0, k + 1, (3,), generator=g)
+        one_hot = torch.zeros_like(logits).scatter_(-1, best[..., None], 1.0)
+        draft_one_hot = torch.zeros(3, k, V, dtype=torch.float64).scatter_(-1, draft[..., None], 1.0)
+        a = rejection_sample(draft, draft_one_hot, one_hot, num_draft, [None] * 3)
+        b = greedy_verify(draft, logits, num_draft)
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.num_accepted, b.num_accepted)

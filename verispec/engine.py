@@ -21,7 +21,7 @@ import torch
 from verispec.config import ConfigError, GenerationConfig
 from verispec.models.base import KVModel
 from verispec.proposers import Proposer
-from verispec.rejection import rejection_sample
+from verispec.rejection import greedy_verify, rejection_sample
 from verispec.sampling import SamplingTensors, logits_to_probs
 from verispec.stats import GenerationStats
 
@@ -150,10 +150,13 @@ class Engine:
         else:
             draft_tokens, draft_probs, inputs = torch.zeros(len(seqs), 0, dtype=torch.int64), None, pending
         logits = self.target.forward(inputs, rows=slots, logits="all")  # [B, width + 1, V]
-        target_probs = logits_to_probs(logits, params)
-        if draft_probs is not None:
-            draft_probs = draft_probs.to(target_probs.dtype)
-        verdict = rejection_sample(draft_tokens, draft_probs, target_probs, num_draft, gens)
+        if params.all_greedy:
+            verdict = greedy_verify(draft_tokens, logits, num_draft)
+        else:
+            target_probs = logits_to_probs(logits, params)
+            if draft_probs is not None:
+                draft_probs = draft_probs.to(target_probs.dtype)
+            verdict = rejection_sample(draft_tokens, draft_probs, target_probs, num_draft, gens)
 
         events = []
         keep_lengths = []

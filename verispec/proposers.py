@@ -107,10 +107,12 @@ class DraftModelProposer:
         probs_out: list[torch.Tensor] = []
         num_draft = num_tokens.clone()
         for i in range(k):
-            probs = logits_to_probs(logits, params)  # [B, V]
             if params.all_greedy:
-                tok = probs.argmax(dim=-1)
+                # Greedy verification only compares tokens: skip building one-hot distributions.
+                tok = logits.argmax(dim=-1)
+                probs = torch.softmax(logits, dim=-1) if self.confidence_threshold > 0 else logits
             else:
+                probs = logits_to_probs(logits, params)  # [B, V]
                 tok = inverse_cdf(probs, uniforms(generators, 1, probs.dtype)[:, 0].to(probs.device))
             tokens[:, i] = tok.cpu()
             probs_out.append(probs)
@@ -124,6 +126,8 @@ class DraftModelProposer:
         for row, slot in enumerate(slots):
             self._cached[slot].extend(tokens[row, : len(probs_out) - 1].tolist())
         used = len(probs_out)
+        if params.all_greedy:
+            return Proposal(tokens=tokens[:, :used], probs=None, num_draft=num_draft.clamp(max=used))
         return Proposal(
             tokens=tokens[:, :used], probs=torch.stack(probs_out, dim=1), num_draft=num_draft.clamp(max=used)
         )

@@ -109,3 +109,30 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     target = (u * cdf[:, -1]).to(cdf.dtype)[:, None]
     idx = torch.searchsorted(cdf, target, right=True)[:, 0]
     return idx.clamp(max=probs.shape[-1] - 1)
+
+
+def greedy_verify(
+    draft_tokens: torch.Tensor, target_logits: torch.Tensor, num_draft: torch.Tensor
+) -> Verdict:
+    """:func:`rejection_sample` for rows that are all greedy, without building distributions.
+
+    With one-hot target and draft distributions the rule reduces to: accept while the draft token is
+    the target's argmax; the recovered or bonus token is the argmax at the first mismatch. This gives
+    the same :class:`Verdict` as :func:`rejection_sample` on one-hot inputs (tested), at a fraction of
+    the cost per step.
+
+    Args:
+        draft_tokens: ``[B, k]`` int64.
+        target_logits: ``[B, k + 1, V]``.
+        num_draft: ``[B]`` int64 real drafts per row.
+    """
+    batch, k = draft_tokens.shape
+    best = target_logits.argmax(dim=-1).to(draft_tokens.device)  # [B, k + 1]
+    positions = torch.arange(k, device=draft_tokens.device)
+    accept = (draft_tokens == best[:, :k]) & (positions[None, :] < num_draft[:, None])
+    num_accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]
+    tokens = torch.full((batch, k + 1), -1, dtype=torch.int64, device=draft_tokens.device)
+    keep = positions[None, :] < num_accepted[:, None]
+    tokens[:, :k] = torch.where(keep, draft_tokens, tokens[:, :k])
+    tokens.scatter_(1, num_accepted[:, None], best.gather(1, num_accepted[:, None]))
+    return Verdict(tokens=tokens, num_accepted=num_accepted)
