@@ -138,3 +138,31 @@ def test_default_model_greedy_equals_plain(default_model, tiny_model_folder):
                     default_model, drafter, ids, max_new_tokens=32, temperature=0, num_speculative_tokens=k
                 )
                 assert spec.token_ids == plain.token_ids, (k, type(drafter).__name__, text[:40])
+
+
+def test_rows_join_without_speculation_and_gain_it_later(tiny_pair):
+    """A sequence added with k = 0 starts its drafter lazily when its k rises (server batch policy)."""
+    from verispec.api import as_kvmodel, make_proposer
+    from verispec.config import GenerationConfig, SamplingConfig
+    from verispec.engine import Engine
+
+    target, draft = tiny_pair
+    kv = as_kvmodel(target)
+    engine = Engine(kv, make_proposer(kv, draft, max_batch_size=2))
+    config = GenerationConfig(
+        max_new_tokens=12, num_speculative_tokens=3, sampling=SamplingConfig(temperature=0)
+    )
+    prompts = [repetitive_prompt(20, 0).tolist(), repetitive_prompt(15, 1).tolist()]
+    seqs = [engine.new_sequence(p, config) for p in prompts]
+    seqs[1].k = 0
+    kv.reset(2)
+    for slot, seq in enumerate(seqs):
+        engine.add(seq, slot)
+    engine.step(seqs)
+    seqs[1].k = 3  # the policy allows speculation again
+    while not all(s.finished for s in seqs):
+        engine.step([s for s in seqs if not s.finished])
+    assert seqs[1].stats.draft_tokens > 0
+    for prompt, seq in zip(prompts, seqs):
+        alone = verispec.speculative_generate(target, None, prompt, max_new_tokens=12, temperature=0)
+        assert seq.output_ids == alone.token_ids

@@ -20,7 +20,7 @@ import torch
 
 from verispec.config import ConfigError, GenerationConfig
 from verispec.models.base import KVModel
-from verispec.proposers import Proposer
+from verispec.proposers import Proposal, Proposer
 from verispec.rejection import greedy_verify, rejection_sample
 from verispec.sampling import SamplingTensors, logits_to_probs
 from verispec.stats import GenerationStats
@@ -40,6 +40,8 @@ class SequenceState:
     stats: GenerationStats = field(default_factory=GenerationStats)
     from_draft: list[bool] = field(default_factory=list)
     """Per emitted token: True when it was an accepted draft token."""
+    drafting: bool = False
+    """Whether the proposer holds this sequence's state (started lazily when k > 0)."""
     finish_reason: str | None = None
     """None while running; then "stop" (EOS or stop string) or "length"."""
     text: str = ""
@@ -110,8 +112,10 @@ class Engine:
         self.target.truncate(torch.zeros(1, dtype=torch.int64), rows=[slot])
         if seq.prompt_len > 1:
             self.target.forward(torch.tensor([seq.tokens[:-1]]), rows=[slot], logits="none")
+        seq.drafting = False
         if self.proposer is not None and seq.k > 0:
             self.proposer.start(slot, seq.tokens)
+            seq.drafting = True
         seq.stats.prompt_tokens = seq.prompt_len
         seq.stats.prefill_seconds = time.perf_counter() - start
 
@@ -120,7 +124,6 @@ class Engine:
         slots = [s.slot for s in seqs]
         params = SamplingTensors.from_configs([s.config.sampling for s in seqs])
         gens = [s.generator for s in seqs]
-        committed = [s.tokens for s in seqs]
         # Never draft past what may still be emitted or past the context.
         ks = torch.tensor(
             [
@@ -136,11 +139,9 @@ class Engine:
             ],
             dtype=torch.int64,
         )
+        proposal, num_draft = None, torch.zeros(len(seqs), dtype=torch.int64)
         if self.proposer is not None and int(ks.max()) > 0:
-            proposal = self.proposer.propose(slots, committed, ks, params, gens)
-            num_draft = torch.minimum(proposal.num_draft, ks)
-        else:
-            proposal, num_draft = None, torch.zeros(len(seqs), dtype=torch.int64)
+            proposal, num_draft = self._propose(seqs, ks, params)
         width = int(num_draft.max())
         pending = torch.tensor([[s.tokens[-1]] for s in seqs])  # [B, 1]
         if width:
@@ -172,6 +173,40 @@ class Engine:
             events.append(StepEvent(seq=seq, token_ids=emitted, from_draft=flags))
         self.target.truncate(torch.tensor(keep_lengths), rows=slots)
         return events
+
+    def _propose(
+        self, seqs: list[SequenceState], ks: torch.Tensor, params: SamplingTensors
+    ) -> tuple[Proposal, torch.Tensor]:
+        """Draft for the rows with ``ks > 0`` only, scattered back to the whole batch.
+
+        Returns a :class:`Proposal` over all B rows and ``num_draft`` ``[B]``. A row whose k was 0
+        when it joined (speculation off, or capped by a batch policy) starts its drafter here.
+        """
+        assert self.proposer is not None
+        rows = [i for i in range(len(seqs)) if int(ks[i]) > 0]
+        for i in rows:
+            if not seqs[i].drafting:
+                self.proposer.start(seqs[i].slot, seqs[i].tokens)
+                seqs[i].drafting = True
+        sub = self.proposer.propose(
+            [seqs[i].slot for i in rows],
+            [seqs[i].tokens for i in rows],
+            ks[rows],
+            params.select(rows),
+            [seqs[i].generator for i in rows],
+        )
+        if len(rows) == len(seqs):
+            return sub, torch.minimum(sub.num_draft, ks)
+        index = torch.tensor(rows)
+        tokens = torch.zeros(len(seqs), sub.tokens.shape[1], dtype=torch.int64)
+        tokens[index] = sub.tokens
+        probs = None
+        if sub.probs is not None:
+            probs = sub.probs.new_zeros(len(seqs), *sub.probs.shape[1:])
+            probs[index] = sub.probs
+        num_draft = torch.zeros(len(seqs), dtype=torch.int64)
+        num_draft[index] = torch.minimum(sub.num_draft, ks[index])
+        return Proposal(tokens=tokens, probs=probs, num_draft=num_draft), num_draft
 
     def _commit(
         self, seq: SequenceState, emitted: list[int], flags: list[bool]

@@ -43,6 +43,21 @@ class SamplingTensors:
             any_top_p=bool((top_p < 1).any()),
         )
 
+    def select(self, rows: Sequence[int]) -> SamplingTensors:
+        """The settings of a subset of rows."""
+        index = torch.tensor(list(rows), dtype=torch.int64)
+        temp, top_k, top_p = self.temperature[index], self.top_k[index], self.top_p[index]
+        greedy = temp == 0
+        return SamplingTensors(
+            temperature=temp,
+            top_k=top_k,
+            top_p=top_p,
+            any_greedy=bool(greedy.any()),
+            all_greedy=bool(greedy.all()),
+            any_top_k=bool((top_k > 0).any()),
+            any_top_p=bool((top_p < 1).any()),
+        )
+
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     """Turn logits into the distribution that sampling draws from.
