@@ -39,8 +39,8 @@ def test_bench_writes_results_table_and_plots(tiny_model_folder, prompts_file, t
     out = tmp_path / "out"
     code = main([
         "bench", "--model", str(tiny_model_folder), "--prompts", str(prompts_file), "--max-new-tokens", "8",
-        "--methods", "autoregressive,prompt-lookup,hf-generate,llama.cpp", "-k", "2,3", "--out", str(out),
-        "--no-progress",
+        "--methods", "autoregressive,prompt-lookup,hf-generate,llama.cpp,draft-model", "-k", "2,3",
+        "--out", str(out), "--no-progress",
     ])  # fmt: skip
     assert code == 0
     results = json.loads((out / "results.json").read_text())
@@ -63,6 +63,7 @@ def test_bench_writes_results_table_and_plots(tiny_model_folder, prompts_file, t
     assert labels == plain | lookup | {"prompt-lookup k=3 adaptive"}
     assert {r["category"] for r in rows} == {"summarization", "coding", "all"}
     assert any("llama.cpp" in n for n in results["notes"])
+    assert any("no shipped draft" in n for n in results["notes"])  # draft-model skipped, not mislabelled
     # lossless: greedy speculative output equals plain greedy output on every prompt
     for row in rows:
         if row["method"] == "prompt-lookup":
@@ -77,6 +78,27 @@ def test_bench_writes_results_table_and_plots(tiny_model_folder, prompts_file, t
     table = (out / "results.md").read_text()
     assert "| summarization | prompt-lookup k=2 |" in table
     assert "prompt-lookup k=2" in capsys.readouterr().out
+
+
+def test_bench_draft_model_and_assisted_peer(tiny_model_folder, prompts_file, tmp_path):
+    """Self-drafting (the target as its own draft): every draft token is accepted, output unchanged."""
+    out = tmp_path / "out"
+    code = main([
+        "bench", "--model", str(tiny_model_folder), "--draft-model", str(tiny_model_folder), "--prompts",
+        str(prompts_file), "--categories", "coding", "--max-new-tokens", "6", "-k", "2", "--no-progress",
+        "--methods", "draft-model,hf-assisted", "--out", str(out),
+    ])  # fmt: skip
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    rows = {r["label"]: r for r in results["rows"] if r["category"] == "all"}
+    assert set(rows) == {"autoregressive", "draft-model k=2", "draft-model k=2 adaptive", "hf-assisted k=2",
+                         "hf-generate"}  # fmt: skip
+    assert rows["draft-model k=2"]["acceptance_rate"] == 1.0
+    assert (
+        rows["draft-model k=2"]["outputs_match_baseline"]
+        and rows["hf-assisted k=2"]["outputs_match_baseline"]
+    )
+    assert results["memory_bytes"]["draft_weights"] > 0
 
 
 @pytest.mark.parametrize(

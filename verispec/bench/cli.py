@@ -268,8 +268,8 @@ def run(args: argparse.Namespace) -> int:
 
     say("measuring memory bandwidth and forward costs")
     bandwidth = memory_bandwidth()
-    k_top = max(5, min(16, 2 * max(ks)) + 1)  # adaptive k may reach twice the start
-    costs = {d: verify_costs(t, k_top) for d, t in targets.items()}
+    widths = sorted({1, 5, *(k + 1 for k in ks)})  # 5: verify_cost_ratio; k + 1: each k's prediction
+    costs = {d: verify_costs(t, widths) for d, t in targets.items()}
     draft_cost: dict[tuple[str, str], float] = {}
     for d, t in targets.items():
         step = forward_seconds(t, [1])[1]

@@ -103,7 +103,7 @@ def weight_bytes(model, dtype: str = "float32") -> int:
     return sum(p.numel() for p in hf.parameters()) * width
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: reset() here makes state tensors that later calls update in place
 def forward_seconds(model, tokens: list[int], context: int = 200, reps: int = 9) -> dict[int, float]:
     """Median seconds of one ``forward`` of T new tokens after ``context`` cached tokens, per T in ``tokens``.
 
@@ -130,9 +130,9 @@ def forward_seconds(model, tokens: list[int], context: int = 200, reps: int = 9)
     return {t: statistics.median(v) for t, v in times.items()}
 
 
-def verify_costs(model, max_tokens: int, context: int = 200, reps: int = 9) -> dict[int, float]:
-    """``v(T)``: time of a forward over T new tokens relative to one token, for T in 1..max_tokens."""
-    secs = forward_seconds(model, list(range(1, max_tokens + 1)), context, reps)
+def verify_costs(model, widths: list[int], context: int = 200, reps: int = 9) -> dict[int, float]:
+    """``v(T)``: time of a forward over T new tokens relative to one token, for T in ``widths``."""
+    secs = forward_seconds(model, sorted({1, *widths}), context, reps)
     return {t: secs[t] / secs[1] for t in secs}
 
 

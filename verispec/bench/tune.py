@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         draft_cost = forward_seconds(proposer.model, [1])[1] / step
     else:
         draft_cost = lookup_seconds(proposer) / step
-    verify = verify_costs(target, args.k_max + 1)
+    verify = verify_costs(target, list(range(1, args.k_max + 2)))
 
     req = Sampling(args.max_new_tokens, sampling, args.seed)
     cfg = MethodConfig(method, args.probe_k)
