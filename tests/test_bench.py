@@ -75,6 +75,10 @@ def test_bench_writes_results_table_and_plots(tiny_model_folder, prompts_file, t
     assert summ["prompts"] == 1 and 1 <= summ["new_tokens"] <= 8
     for name in ("speedup_by_category.png", "acceptance_by_position.png", "speedup_vs_k.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
+    goals = {g["goal"]: g for g in results["goals"]}
+    lossless = "every speculative method of ours: greedy output identical to plain greedy output"
+    assert goals[lossless]["met"] is True
+    assert any(g.startswith("prompt-lookup k=3 adaptive within 5%") for g in goals)
     table = (out / "results.md").read_text()
     assert "| summarization | prompt-lookup k=2 |" in table
     assert "prompt-lookup k=2" in capsys.readouterr().out

@@ -31,7 +31,7 @@ from verispec.bench.measure import (
 from verispec.bench.methods import METHODS, OURS, SPECULATIVE, MethodConfig, Sampling, run_ours
 from verispec.bench.peers import HFPeer, LlamaCppPeer, llama_cpp_available
 from verispec.bench.prompts import load_prompts, select
-from verispec.bench.report import markdown, plot_all
+from verispec.bench.report import goal_checks, markdown, plot_all
 from verispec.bench.runner import ALL, aggregate, run_interleaved
 from verispec.commands.common import add_sampling_arguments, sampling_config
 from verispec.config import ConfigError
@@ -217,6 +217,9 @@ def run(args: argparse.Namespace) -> int:
         draft = _draft(args, main, notes)
         if draft is None:
             methods = [m for m in methods if m not in ("draft-model", "hf-assisted")]
+        elif "hf-assisted" in methods and getattr(draft.model, "hf_model", None) is None:
+            notes.append("the draft is no transformers model (a distilled draft): hf-assisted skipped")
+            methods.remove("hf-assisted")
     llama = None
     if {"llama.cpp", "llama.cpp-prompt-lookup"} & set(methods):
         kind, where = resolve(args.model)
@@ -368,6 +371,7 @@ def run(args: argparse.Namespace) -> int:
         "notes": notes,
         "rows": rows,
     }
+    results_json["goals"] = goal_checks(results_json)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results_json, indent=1) + "\n", encoding="utf-8")
     table = markdown(results_json)

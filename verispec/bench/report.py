@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from verispec.bench.methods import OURS, SPECULATIVE
 from verispec.bench.runner import ALL
 
 
@@ -48,6 +49,8 @@ def markdown(results: dict) -> str:
         lines.append("- memory: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in mem.items()))
     for note in results.get("notes", []):
         lines.append(f"- note: {note}")
+    if results.get("goals"):
+        lines += ["", "## Goals", "", goals_markdown(results["goals"])]
     lines += [
         "",
         "Speedup: tokens/s (whole request, prompt included) over the same engine's plain decoding on the "
@@ -168,3 +171,106 @@ def plot_all(results: dict, out: Path) -> list[Path]:
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
     return paths
+
+
+def _row(rows: list[dict], label: str, category: str) -> dict | None:
+    return next((r for r in rows if r["label"] == label and r["category"] == category), None)
+
+
+def goal_checks(results: dict) -> list[dict]:
+    """The project's performance goals, checked against this run: ``{"goal", "value", "met"}`` each
+    (``met`` None when the run lacks the rows to decide)."""
+    rows, out = results["rows"], []
+    cats = [c for c in dict.fromkeys(r["category"] for r in rows) if c != ALL]
+    key_cats = [c for c in ("summarization", "rag", "coding") if c in cats]
+
+    def add(goal: str, value: str, met: bool | None) -> None:
+        out.append({"goal": goal, "value": value, "met": met})
+
+    for dtype, d in results.get("by_dtype", {}).items():
+        frac = d.get("plain_fraction_of_bound")
+        add(
+            f"plain decoding ({dtype}) >= 75% of the bandwidth bound (decode-only)",
+            f"{_fmt(frac, '.0%')} ({_fmt(d.get('plain_decode_tokens_per_second'), '.1f')} of "
+            f"{d['bandwidth_bound_tokens_per_second']:.1f} tokens/s)",
+            None if frac is None else frac >= 0.75,
+        )
+    hf = _row(rows, "hf-generate", ALL)
+    if hf and hf["relative_to_autoregressive"]:
+        ratio = 1 / hf["relative_to_autoregressive"]
+        add(">= 2x transformers generate (plain, float32)", f"{ratio:.2f}x", ratio >= 2.0)
+    v = results.get("verify_cost_ratio")
+    add("forward over 5 new tokens <= 1.3x one token", _fmt(v), None if v is None else v <= 1.3)
+    llama = {c: _row(rows, "llama.cpp", c) for c in key_cats}
+    for dtype in results.get("by_dtype", {}):
+        if dtype == "float32" or not all(llama.values()):
+            continue
+        label = f"autoregressive [{dtype}]"
+        ratios = {
+            c: _row(rows, label, c)["tokens_per_second"] / llama[c]["tokens_per_second"] for c in key_cats
+        }
+        add(
+            f"{dtype} plain faster than llama.cpp plain on {', '.join(key_cats)}",
+            ", ".join(f"{c} {r:.2f}x" for c, r in ratios.items()),
+            all(r > 1 for r in ratios.values()),
+        )
+    lookups = [
+        r for r in rows if r["method"] == "prompt-lookup" and r["dtype"] == "float32" and r["category"] == ALL
+    ]
+    for lk in lookups:
+        per = {c: _row(rows, lk["label"], c)["speedup"] for c in cats}
+        if key_cats:
+            add(
+                f"{lk['label']} >= 2.0x on {', '.join(key_cats)}",
+                ", ".join(f"{c} {per[c]:.2f}x" for c in key_cats),
+                all(per[c] >= 2.0 for c in key_cats),
+            )
+        worst = min(per, key=per.get)
+        add(f"{lk['label']} never below 0.95x", f"lowest {worst} {per[worst]:.2f}x", per[worst] >= 0.95)
+    for ad in (r for r in rows if r["adaptive"] and r["category"] == ALL):
+        fixed = [
+            r["label"]
+            for r in rows
+            if r["category"] == ALL
+            and r["method"] == ad["method"]
+            and r["dtype"] == ad["dtype"]
+            and not r["adaptive"]
+        ]
+        if not fixed:
+            continue
+        gaps = {}
+        for c in cats:
+            best = max(_row(rows, f, c)["speedup"] for f in fixed)
+            gaps[c] = _row(rows, ad["label"], c)["speedup"] / best
+        worst = min(gaps, key=gaps.get)
+        add(
+            f"{ad['label']} within 5% of the best fixed k on every category",
+            f"worst {worst}: {gaps[worst]:.2f} of the best fixed k",
+            gaps[worst] >= 0.95,
+        )
+    spec = [r for r in rows if r["method"] in SPECULATIVE and r["category"] == ALL]
+    if spec and all(r["outputs_match_baseline"] is not None for r in spec):
+        peers = [r["label"] for r in spec if r["method"] not in OURS and not r["outputs_match_baseline"]]
+        if peers:
+            add(
+                "peers' speculative greedy output identical to their plain output",
+                "differ: " + ", ".join(peers),
+                None,
+            )
+        bad = [r["label"] for r in spec if r["method"] in OURS and not r["outputs_match_baseline"]]
+        add(
+            "every speculative method of ours: greedy output identical to plain greedy output",
+            "all identical" if not bad else "differ: " + ", ".join(bad),
+            not bad,
+        )
+    return out
+
+
+def goals_markdown(checks: list[dict]) -> str:
+    """The goal checks as a Markdown table."""
+    lines = ["| goal | this run | met |", "|---|---|:---:|"]
+    for c in checks:
+        lines.append(
+            f"| {c['goal']} | {c['value']} | {'-' if c['met'] is None else ('yes' if c['met'] else 'NO')} |"
+        )
+    return "\n".join(lines)
