@@ -22,6 +22,10 @@ greedy decoding therefore equals plain greedy decoding token for token. The torc
 Hugging Face model to float32 rounding but its matmuls may pick different kernels for different
 ``T``, so it only guarantees closeness, not bitwise equality.
 
+Measured (``benchmarks/fast_forward.py``, SmolLM2-135M, 2-core EPYC, context 64, median ms for
+T = 1 / 5 new tokens): HF eager 66 / 107; kernel float32 28 / 35 (about 87% of the 538 MB
+weight-bandwidth bound at 22 GB/s); kernel bfloat16 20 / 20; torch path float32 63 / 75.
+
 Cache invariant (see ``base.py``): row ``r`` holds ``lengths[r]`` tokens at positions
 ``0 .. lengths[r] - 1`` of its slice of every ``[B, H_kv, S, D]`` cache; ``truncate`` only lowers the
 length, and the next write overwrites what lay past it. The attention of a query at position ``p``
