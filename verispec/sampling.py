@@ -29,12 +29,18 @@ class SamplingTensors:
     @classmethod
     def from_configs(cls, configs: Sequence[SamplingConfig]) -> SamplingTensors:
         """Stack the settings of the rows of a batch."""
-        temp = torch.tensor([c.temperature for c in configs], dtype=torch.float64)
-        top_k = torch.tensor([c.top_k or 0 for c in configs], dtype=torch.int64)
-        top_p = torch.tensor([1.0 if c.top_p is None else c.top_p for c in configs], dtype=torch.float64)
-        greedy = temp == 0
+        return cls.of(
+            torch.tensor([c.temperature for c in configs], dtype=torch.float64),
+            torch.tensor([c.top_k or 0 for c in configs], dtype=torch.int64),
+            torch.tensor([1.0 if c.top_p is None else c.top_p for c in configs], dtype=torch.float64),
+        )
+
+    @classmethod
+    def of(cls, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> SamplingTensors:
+        """From ``[B]`` tensors, with the batch-wide flags that let greedy batches skip work."""
+        greedy = temperature == 0
         return cls(
-            temperature=temp,
+            temperature=temperature,
             top_k=top_k,
             top_p=top_p,
             any_greedy=bool(greedy.any()),
@@ -46,18 +52,7 @@ class SamplingTensors:
     def select(self, rows: Sequence[int]) -> SamplingTensors:
         """The settings of a subset of rows."""
         index = torch.tensor(list(rows), dtype=torch.int64)
-        temp, top_k, top_p = self.temperature[index], self.top_k[index], self.top_p[index]
-        greedy = temp == 0
-        return SamplingTensors(
-            temperature=temp,
-            top_k=top_k,
-            top_p=top_p,
-            any_greedy=bool(greedy.any()),
-            all_greedy=bool(greedy.all()),
-            any_top_k=bool((top_k > 0).any()),
-            any_top_p=bool((top_p < 1).any()),
-        )
-
+        return self.of(self.temperature[index], self.top_k[index], self.top_p[index])
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     """Turn logits into the distribution that sampling draws from.
