@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         from verispec.distill.prompts import prompts_for
 
         prompts = prompts_for(args.prompts, data.offline_passages(), seed=args.seed + 1)
-        (out / "prompts.txt").write_text("\n".join(json.dumps(p) for p in prompts) + "\n")
+        (out / "prompts.jsonl").write_text("\n".join(json.dumps(p) for p in prompts) + "\n")
         data.generate_corpus(
             target,
             prompts,

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from verispec.distill.model import DraftConfig, DraftKV, DraftLM
-from verispec.proposers import DraftModelProposer
+from verispec.proposers import DraftModelProposer, Proposer
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ def eval_prompts(count_per_category: int, path: str | Path | None = None) -> lis
 
 def measure_acceptance(
     target,
-    draft: DraftKV | DraftModelProposer,
+    draft: DraftKV | Proposer,
     prompts: Sequence[tuple[str, str]],
     *,
     max_new_tokens: int = 64,
@@ -212,7 +212,7 @@ def measure_acceptance(
     from verispec.stats import GenerationStats
     from verispec.tokenizers import encode_prompt
 
-    proposer = draft if isinstance(draft, DraftModelProposer) else DraftModelProposer(draft)
+    proposer = draft if hasattr(draft, "propose") else DraftModelProposer(draft)
     chat = bool(getattr(target, "instruct", False))
     per: dict[str, GenerationStats] = {}
     for cat, text in prompts:
