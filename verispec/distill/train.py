@@ -95,7 +95,8 @@ def make_batches(
                 lab[b, s - 1 : s - 1 + m] = to_sub[seq["top_ids"][:m].long()]
                 prob[b, s - 1 : s - 1 + m] = seq["top_logp"][:m].float().exp()
         prob[lab < 0] = 0.0
-        batches.append((ids, lab.clamp(min=0), prob))
+        if prob.sum() > 0:  # prompts cut before their answers teach nothing (and give a NaN loss)
+            batches.append((ids, lab.clamp(min=0), prob))
     return batches
 
 
