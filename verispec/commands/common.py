@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from verispec.config import ConfigError, SamplingConfig
 
@@ -53,4 +54,5 @@ def check_model_arguments(args: argparse.Namespace) -> None:
 
     resolve(args.model)  # raises ModelNotFoundError with a clear message
     if args.draft_model and args.draft_model != "default":
-        resolve(args.draft_model)
+        if not (Path(args.draft_model).expanduser() / "draft.json").is_file():  # distilled drafts load apart
+            resolve(args.draft_model)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from verispec.api import make_proposer
 from verispec.models.base import KVModel
-from verispec.proposers import PromptLookup, Proposer
+from verispec.proposers import DraftModelProposer, PromptLookup, Proposer
 from verispec.tokenizers import check_compatible
 
 log = logging.getLogger(__name__)
@@ -21,19 +22,29 @@ def build_proposer(
     dtype: str = "float32",
     backend: str = "auto",
 ) -> Proposer:
-    """The proposer named by the options; with none named, the shipped draft for the target when there
-    is one, else prompt lookup."""
+    """The proposer named by the options.
+
+    ``--draft-model default`` is the trained draft shipped for the target. With no drafter named we
+    use prompt lookup: the shipped draft for the default model does not yet beat plain decoding on
+    this hardware (benchmarks/DRAFTS.md), and a default must never make generation slower.
+    """
     from verispec.models.loading import load_model, load_tokenizer
 
-    if prompt_lookup:
+    if prompt_lookup or draft_model is None:
         return PromptLookup()
-    if draft_model is None or draft_model == "default":
+    if draft_model == "default":
         shipped = shipped_draft_for(target)
-        if shipped is not None:
-            return shipped
-        if draft_model == "default":
-            log.warning("no shipped draft for this target yet; using prompt lookup")
-        return PromptLookup()
+        if shipped is None:
+            log.warning("no draft is shipped for this target; using prompt lookup")
+            return PromptLookup()
+        return shipped
+    if (Path(draft_model).expanduser() / "draft.json").is_file():  # a draft made by `verispec distill`
+        from verispec.distill.shipped import load_draft
+
+        return DraftModelProposer(
+            load_draft(Path(draft_model).expanduser(), target, max_batch_size=max_batch_size),
+            max_batch_size=max_batch_size,
+        )
     # Compare tokenizers before paying for the draft's weights.
     check_compatible(target.tokenizer, load_tokenizer(draft_model))
     draft = load_model(

@@ -143,22 +143,22 @@ class _Streamer:
 
 
 def memory_report(target, proposer) -> dict[str, int]:
-    """Bytes that speculation adds: draft weights and KV caches (where the model reports them)."""
+    """Bytes that speculation adds (draft weights, both KV caches), where the models report them."""
     out: dict[str, int] = {}
     draft = getattr(proposer, "model", None)
     for name, model in (("target", target), ("draft", draft)):
         if model is None:
             continue
-        cache = getattr(model, "cache_bytes", None)
-        if callable(cache):
-            out[f"{name}_kv_cache"] = int(cache())
-    if draft is not None:
-        hf = getattr(draft, "hf_model", None)
-        weights = getattr(draft, "weight_bytes", None)
-        if callable(weights):
-            out["draft_weights"] = int(weights())
-        elif hf is not None:
-            out["draft_weights"] = sum(p.numel() * p.element_size() for p in hf.parameters())
+        for what, method in (
+            ("kv_cache", "cache_bytes"),
+            ("weights", "weight_bytes"),
+            ("total", "memory_bytes"),
+        ):
+            if name == "target" and what != "kv_cache":
+                continue  # the target's weights are there without speculation too
+            fn = getattr(model, method, None)
+            if callable(fn):
+                out[f"{name}_{what}"] = int(fn())
     return out
 
 

@@ -54,3 +54,14 @@ class KVModel(Protocol):
 
     def truncate(self, lengths: torch.Tensor, rows: list[int] | None = None) -> None:
         """Roll back: row ``rows[i]`` keeps its first ``lengths[i]`` tokens (``[n]`` int64)."""
+
+
+def tensor_bytes(obj: object) -> int:
+    """Bytes held by the tensors in ``obj`` (a tensor, or nested dicts, lists and tuples of them)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0

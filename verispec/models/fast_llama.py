@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from verispec.models.base import LogitsMode
+from verispec.models.base import LogitsMode, tensor_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -271,6 +271,14 @@ class FastLlama:
                 self._kernel.set_cache(self.k_cache, self.v_cache)
         self._batch = batch_size
         self._lengths = torch.zeros(self._capacity, dtype=torch.int64)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the repacked weights and tables this model reads."""
+        return tensor_bytes(self._w)
+
+    def cache_bytes(self) -> int:
+        """Bytes of the preallocated key/value caches (all slots, the whole context)."""
+        return tensor_bytes(self.k_cache) + tensor_bytes(self.v_cache) if self._capacity else 0
 
     def truncate(self, lengths: torch.Tensor, rows: list[int] | None = None) -> None:
         """Roll back: row ``rows[i]`` keeps its first ``lengths[i]`` tokens (``[n]`` int64)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from verispec.models.base import LogitsMode
+from verispec.models.base import LogitsMode, tensor_bytes
 
 
 class HFModel:
@@ -60,6 +60,18 @@ class HFModel:
         if logits == "none":
             return None
         return torch.stack(outs)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the model's parameters."""
+        return tensor_bytes(list(self.model.parameters()))
+
+    def cache_bytes(self) -> int:
+        """Bytes the rows' caches hold now (they grow with the sequences)."""
+        total = 0
+        for cache in self._caches:
+            for layer in getattr(cache, "layers", []):
+                total += tensor_bytes([getattr(layer, "keys", None), getattr(layer, "values", None)])
+        return total
 
     def truncate(self, lengths: torch.Tensor, rows: list[int] | None = None) -> None:
         """Crop each row's cache to ``lengths`` (``[n]``)."""
