@@ -100,22 +100,32 @@ def _as_rows(input_ids) -> tuple[list[list[int]], bool]:
     return [list(map(int, seq))], False
 
 
-def stream_generate(
-    target: KVModel, proposer: Proposer | None, prompts: Sequence[Sequence[int]], config: GenerationConfig
-) -> Iterator[list[StepEvent]]:
-    """Run prompts as one batch, yielding each step's events; the final states are in the events."""
-    engine = Engine(
+def _engine(target: KVModel, proposer: Proposer | None) -> Engine:
+    return Engine(
         target,
         proposer,
         eos_token_ids=getattr(target, "eos_token_ids", ()),
         decode=_decoder(target),
         adaptive=adapt_k,
     )
+
+
+def _sequences(
+    engine: Engine, prompts: Sequence[Sequence[int]], config: GenerationConfig
+) -> list[SequenceState]:
     seqs = [engine.new_sequence(p, config) for p in prompts]
     if config.seed is not None:  # distinct but reproducible streams for rows of one batch
         for i, s in enumerate(seqs):
             s.generator.manual_seed(config.seed + i)
-    yield from engine.run(seqs)
+    return seqs
+
+
+def stream_generate(
+    target: KVModel, proposer: Proposer | None, prompts: Sequence[Sequence[int]], config: GenerationConfig
+) -> Iterator[list[StepEvent]]:
+    """Run prompts as one batch, yielding each step's events (each event holds its sequence's state)."""
+    engine = _engine(target, proposer)
+    yield from engine.run(_sequences(engine, prompts, config))
 
 
 def result_of(seq: SequenceState) -> GenerationResult:
@@ -173,12 +183,11 @@ def speculative_generate(
         if num_speculative_tokens > 0
         else None
     )
-    final: list[StepEvent] = []
-    seqs: dict[int, SequenceState] = {}
-    for final in stream_generate(target_kv, proposer, rows, config):
-        for ev in final:
-            seqs[id(ev.seq)] = ev.seq
-    results = [result_of(s) for s in sorted(seqs.values(), key=lambda s: s.slot)]
+    engine = _engine(target_kv, proposer)
+    seqs = _sequences(engine, rows, config)
+    for _ in engine.run(seqs):
+        pass
+    results = [result_of(s) for s in seqs]
     return results if batched else results[0]
 
 
