@@ -56,12 +56,19 @@ class KVModel(Protocol):
         """Roll back: row ``rows[i]`` keeps its first ``lengths[i]`` tokens (``[n]`` int64)."""
 
 
-def tensor_bytes(obj: object) -> int:
-    """Bytes held by the tensors in ``obj`` (a tensor, or nested dicts, lists and tuples of them)."""
+def tensor_bytes(obj: object, _seen: set[int] | None = None) -> int:
+    """Bytes held by the tensors in ``obj`` (a tensor, or nested dicts, lists and tuples of them).
+
+    Storage shared by several entries (a tied embedding and output head) counts once.
+    """
+    seen = set() if _seen is None else _seen
     if isinstance(obj, torch.Tensor):
+        if obj.data_ptr() in seen:
+            return 0
+        seen.add(obj.data_ptr())
         return obj.numel() * obj.element_size()
     if isinstance(obj, dict):
-        return sum(tensor_bytes(v) for v in obj.values())
+        return sum(tensor_bytes(v, seen) for v in obj.values())
     if isinstance(obj, (list, tuple)):
-        return sum(tensor_bytes(v) for v in obj)
+        return sum(tensor_bytes(v, seen) for v in obj)
     return 0

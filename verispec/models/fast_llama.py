@@ -273,8 +273,8 @@ class FastLlama:
         self._lengths = torch.zeros(self._capacity, dtype=torch.int64)
 
     def weight_bytes(self) -> int:
-        """Bytes of the repacked weights and tables this model reads."""
-        return tensor_bytes(self._w)
+        """Bytes of the weights one decode step reads (a tied head counts once; RoPE tables excluded)."""
+        return tensor_bytes({k: v for k, v in self._w.items() if k not in ("cos", "sin")})
 
     def cache_bytes(self) -> int:
         """Bytes of the preallocated key/value caches (all slots, the whole context)."""
