@@ -56,10 +56,15 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``verispec`` script."""
     logging.basicConfig(level=logging.WARNING, format="verispec: %(message)s")
     args = build_parser().parse_args(argv)
+    return call(args.command, args._run, args)
+
+
+def call(command: str, run, args: argparse.Namespace) -> int:
+    """Run a subcommand: user errors become one line on stderr and exit code 2, never a traceback."""
     try:
-        return int(args._run(args) or 0)
+        return int(run(args) or 0)
     except ConfigError as exc:
-        print(f"verispec {args.command}: error: {exc}", file=sys.stderr)
+        print(f"verispec {command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

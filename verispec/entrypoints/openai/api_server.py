@@ -397,13 +397,9 @@ def main(argv: list[str] | None = None) -> int:
                                      description=(__doc__ or "").strip().splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except ConfigError as exc:
-        print(f"verispec serve: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    from verispec.cli import call
+
+    return call("serve", run, args)
 
 
 if __name__ == "__main__":
