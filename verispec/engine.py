@@ -48,6 +48,11 @@ class SequenceState:
     started: float = field(default_factory=time.perf_counter)
 
     @property
+    def num_output(self) -> int:
+        """How many tokens were emitted (no copy, unlike ``output_ids``)."""
+        return len(self.tokens) - self.prompt_len
+
+    @property
     def output_ids(self) -> list[int]:
         """Emitted tokens."""
         return self.tokens[self.prompt_len :]
@@ -131,7 +136,7 @@ class Engine:
                     0,
                     min(
                         s.k,
-                        s.config.max_new_tokens - len(s.output_ids) - 1,
+                        s.config.max_new_tokens - s.num_output - 1,
                         self.target.max_length - len(s.tokens) - 1,
                     ),
                 )
@@ -212,7 +217,7 @@ class Engine:
         self, seq: SequenceState, emitted: list[int], flags: list[bool]
     ) -> tuple[list[int], list[bool]]:
         """Append emitted tokens, applying max_new_tokens, EOS and stop strings; returns what was kept."""
-        room = seq.config.max_new_tokens - len(seq.output_ids)
+        room = seq.config.max_new_tokens - seq.num_output
         if len(emitted) >= room:
             emitted, flags = emitted[:room], flags[:room]
             seq.finish_reason = "length"
@@ -224,7 +229,7 @@ class Engine:
                     break
         seq.tokens.extend(emitted)
         seq.from_draft.extend(flags)
-        seq.stats.new_tokens = len(seq.output_ids)
+        seq.stats.new_tokens = seq.num_output
         if self.decode is not None:
             seq.text = self.decode(self._visible(seq))
             if seq.config.stop:

@@ -61,7 +61,8 @@ def _empty(batch: int) -> Proposal:
 class DraftModelProposer:
     """Drafts by sampling k tokens from a smaller model with the same sampling transform as the target.
 
-    The draft's cache for each slot tracks which tokens it holds (``_cached``); before proposing, each
+    The draft's cache for each slot holds the first ``_agreed[slot]`` committed tokens followed by the
+    draft tokens it fed while drafting (``_drafted[slot]``); before proposing, each
     row is rolled back to its longest prefix shared with the committed tokens and the missing tokens
     are fed in one call.
     """
@@ -70,7 +71,8 @@ class DraftModelProposer:
         self.model = model
         self.confidence_threshold = confidence_threshold
         """Stop drafting a row once the draft's top probability falls below this (0 = never)."""
-        self._cached: dict[int, list[int]] = {}
+        self._agreed: dict[int, int] = {}
+        self._drafted: dict[int, list[int]] = {}
         self._batch = 0
         self._ensure(max_batch_size)
 
@@ -78,7 +80,7 @@ class DraftModelProposer:
         if slots > self._batch:
             self.model.reset(slots)
             self._batch = slots
-            self._cached = {}
+            self._agreed, self._drafted = {}, {}
 
     def start(self, slot: int, tokens: Sequence[int]) -> None:
         """Prefill the draft with all committed tokens but the newest."""
@@ -87,7 +89,8 @@ class DraftModelProposer:
         prefix = list(tokens[:-1])
         if prefix:
             self.model.forward(torch.tensor([prefix]), rows=[slot], logits="none")
-        self._cached[slot] = prefix
+        self._agreed[slot] = len(prefix)
+        self._drafted[slot] = []
 
     def propose(
         self,
@@ -124,7 +127,7 @@ class DraftModelProposer:
                 break
             logits = self.model.forward(tok[:, None], rows=slots, logits="last")  # [B, V]
         for row, slot in enumerate(slots):
-            self._cached[slot].extend(tokens[row, : len(probs_out) - 1].tolist())
+            self._drafted[slot] = tokens[row, : len(probs_out) - 1].tolist()
         used = len(probs_out)
         if params.all_greedy:
             return Proposal(tokens=tokens[:, :used], probs=None, num_draft=num_draft.clamp(max=used))
@@ -132,14 +135,19 @@ class DraftModelProposer:
             tokens=tokens[:, :used], probs=torch.stack(probs_out, dim=1), num_draft=num_draft.clamp(max=used)
         )
 
+    def cached_length(self, slot: int) -> int:
+        """Tokens the draft's cache holds for ``slot`` (committed prefix plus fed draft tokens)."""
+        return self._agreed[slot] + len(self._drafted[slot])
+
     def _catch_up(self, slots: list[int], committed: list[list[int]]) -> torch.Tensor:
         """Feed each row the committed tokens its cache lacks; return ``[B, V]`` logits after them."""
         need = []
         for slot, toks in zip(slots, committed):
-            cached = self._cached[slot]
-            common = 0
-            limit = min(len(cached), len(toks) - 1)
-            while common < limit and cached[common] == toks[common]:
+            # Only the drafted tail can disagree with the committed tokens: compare just that.
+            common = self._agreed[slot]
+            for tok in self._drafted[slot]:
+                if common >= len(toks) - 1 or toks[common] != tok:
+                    break
                 common += 1
             need.append(len(toks) - common)
         width = max(need)
@@ -158,7 +166,8 @@ class DraftModelProposer:
             logits = self.model.forward(ids, rows=rows, logits="last")
             for j, i in enumerate(group):
                 out[i] = logits[j]
-                self._cached[slots[i]] = list(committed[i])
+                self._agreed[slots[i]] = len(committed[i])
+                self._drafted[slots[i]] = []
         return torch.stack(out)  # type: ignore[arg-type]
 
 
