@@ -107,11 +107,7 @@ def plot_all(results: dict, out: Path) -> list[Path]:
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))], cats, rotation=30, ha="right")
     ax.set_ylabel("speedup over the same engine's plain decoding")
     ax.set_title("Speedup by category (tokens/s, whole request)")
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    paths.append(out / "speedup_by_category.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(fig, ax, out / "speedup_by_category.png", ncol=2))
 
     # 2. acceptance by draft position, over all prompts.
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -123,12 +119,7 @@ def plot_all(results: dict, out: Path) -> list[Path]:
     ax.set_ylabel("accepted / drafted")
     ax.set_ylim(0, 1.05)
     ax.set_title("Acceptance by draft position (all prompts)")
-    if ax.lines:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(out / "acceptance_by_position.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(fig, ax, out / "acceptance_by_position.png"))
 
     # 3. speedup against k, measured (solid) and predicted (dashed); adaptive as a marker.
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -164,13 +155,20 @@ def plot_all(results: dict, out: Path) -> list[Path]:
     ax.set_xlabel("draft length k")
     ax.set_ylabel("speedup (all prompts)")
     ax.set_title("Speedup against k")
-    if ax.lines:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(out / "speedup_vs_k.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(fig, ax, out / "speedup_vs_k.png"))
     return paths
+
+
+def _save(fig, ax, path: Path, ncol: int = 1) -> Path:
+    """Add a legend when something was drawn, write the PNG and free the figure."""
+    import matplotlib.pyplot as plt
+
+    if ax.lines or ax.patches:
+        ax.legend(fontsize=7, ncol=ncol)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _row(rows: list[dict], label: str, category: str) -> dict | None:
