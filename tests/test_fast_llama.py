@@ -171,6 +171,26 @@ def test_logits_last_and_none(use_kernel: bool) -> None:
     assert fast.lengths.tolist() == [6, 6]
 
 
+@pytest.mark.parametrize("use_kernel", PATHS)
+def test_record_hidden_gives_hf_last_hidden_states(use_kernel: bool) -> None:
+    hf = _llama()
+    ids = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(8))
+    fast = FastLlama.from_hf(hf, max_batch_size=2, use_kernel=use_kernel)
+    fast.forward(ids[:, :20], logits="none")
+    assert fast.last_hidden is None  # off by default
+    fast.record_hidden = True
+    fast.truncate(torch.tensor([0, 0]))
+    fast.forward(ids[:, :20], logits="none")  # prefill (torch path)
+    first = fast.last_hidden
+    fast.forward(ids[:, 20:23], logits="last")  # short call (kernel when available)
+    second = fast.last_hidden
+    assert first.shape == (2, 20, 64) and second.shape == (2, 3, 64)
+    with torch.no_grad():
+        want = hf(ids[:, :23], output_hidden_states=True).hidden_states[-1]  # after the final norm
+    got = hf.model.norm(torch.cat([first, second], dim=1))
+    _close(got, want)
+
+
 @requires_kernel
 def test_kernel_logits_are_bitwise_independent_of_tokens_per_call() -> None:
     """Plain greedy (T=1 steps) and verification (T=5 steps) must see identical logits."""

@@ -296,6 +296,14 @@ class FastLlamaKernel {
     return bf ? run<bf16>(M, id, sl, ps, logit_rows) : run<float>(M, id, sl, ps, logit_rows);
   }
 
+  // When on, each forward keeps the final residual stream (before the final norm) of all its
+  // tokens, [M, hidden] float32, for drafters that read the target's hidden states (EAGLE).
+  void set_keep_hidden(bool on) {
+    keep_hidden_ = on;
+    if (!on) hidden_ = at::Tensor();
+  }
+  at::Tensor last_hidden() const { return hidden_; }
+
   // Exposed for tests and benchmarks: y = x @ w^T (+ bias), x [M, K] float32.
   at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w, std::optional<at::Tensor> bias) {
     TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2);
@@ -366,6 +374,11 @@ class FastLlamaKernel {
         for (int64_t k = 0; k < I; ++k) a[k] = g[k] / (1.0f + std::exp(-g[k])) * g[I + k];
       }
       linear(act_.data(), M, I, wptr<WT>(L.wdown), H, I, nullptr, x, H, true);
+    }
+
+    if (keep_hidden_) {
+      hidden_ = at::empty({M, H}, at::kFloat);
+      std::memcpy(hidden_.data_ptr<float>(), x, M * H * sizeof(float));
     }
 
     const int64_t R = logit_rows.numel();
@@ -448,6 +461,8 @@ class FastLlamaKernel {
 
   int64_t H_, Hq_, Hkv_, D_, I_;
   float eps_;
+  bool keep_hidden_ = false;
+  at::Tensor hidden_;
   std::vector<Layer> layers_;
   at::Tensor embed_, final_norm_, head_, cos_, sin_;
   std::vector<at::Tensor> kc_, vc_;
@@ -462,5 +477,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_rope", &FastLlamaKernel::set_rope)
       .def("set_cache", &FastLlamaKernel::set_cache)
       .def("forward", &FastLlamaKernel::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("set_keep_hidden", &FastLlamaKernel::set_keep_hidden)
+      .def("last_hidden", &FastLlamaKernel::last_hidden)
       .def("linear", &FastLlamaKernel::linear_op);
 }

@@ -148,7 +148,26 @@ class FastLlama:
         self._kernel: Any = None
         if use_kernel:
             self._kernel = self._build_kernel()
+        self._record_hidden = False
+        self.last_hidden: torch.Tensor | None = None
+        """With ``record_hidden``: the last forward's final residual stream (before the final norm),
+        ``[n, T, hidden]`` float32, one line per row it was given, in order."""
         self.reset(max_batch_size)
+
+    @property
+    def record_hidden(self) -> bool:
+        """Whether each forward keeps its tokens' last hidden states in ``last_hidden``.
+
+        Drafters that read the target's features (EAGLE-style heads) turn this on.
+        """
+        return self._record_hidden
+
+    @record_hidden.setter
+    def record_hidden(self, on: bool) -> None:
+        self._record_hidden = bool(on)
+        self.last_hidden = None
+        if self._kernel is not None:
+            self._kernel.set_keep_hidden(self._record_hidden)
 
     # ----------------------------------------------------------------------------------- loading
 
@@ -349,6 +368,8 @@ class FastLlama:
         else:
             wanted = torch.zeros(0, dtype=torch.int64)
         out = self._kernel.forward(ids.reshape(-1).contiguous(), slots, pos, wanted)
+        if self._record_hidden:
+            self.last_hidden = self._kernel.last_hidden().view(n, T, -1)
         if logits == "none":
             return None
         return out.view(n, T, -1) if logits == "all" else out
@@ -358,21 +379,31 @@ class FastLlama:
     ) -> torch.Tensor | None:
         """Torch path, ``prefill_chunk`` tokens at a time; lengths are advanced by the caller."""
         T = ids.shape[1]
-        pieces = []
+        pieces, hidden = [], []
         for c0 in range(0, T, self.prefill_chunk):
             c1 = min(T, c0 + self.prefill_chunk)
             mode: LogitsMode = logits if (logits == "all" or c1 == T) else "none"
-            out = self._forward_torch(ids[:, c0:c1].to(self.device), idx, starts + c0, mode)
+            out = self._forward_torch(ids[:, c0:c1].to(self.device), idx, starts + c0, mode, hidden)
             if out is not None:
                 pieces.append(out)
+        if self._record_hidden:
+            self.last_hidden = torch.cat(hidden, dim=1).float().cpu()
         if logits == "none":
             return None
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
     def _forward_torch(
-        self, ids: torch.Tensor, idx: torch.Tensor, starts: torch.Tensor, logits: LogitsMode
+        self,
+        ids: torch.Tensor,
+        idx: torch.Tensor,
+        starts: torch.Tensor,
+        logits: LogitsMode,
+        hidden: list[torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
-        """Matmul + SDPA forward of ``ids`` ``[n, T]`` at positions ``starts[i] + t``."""
+        """Matmul + SDPA forward of ``ids`` ``[n, T]`` at positions ``starts[i] + t``.
+
+        With ``record_hidden``, appends the final residual stream ``[n, T, hidden]`` to ``hidden``.
+        """
         w = self._w
         n, T = ids.shape
         Hq, Hkv, D = self._n_heads, self._n_kv, self._head_dim
@@ -406,6 +437,8 @@ class FastLlama:
             h = _rms_norm(x, layer["post_norm"], self._eps)
             gate, up = _linear(h, layer["wgu"]).chunk(2, dim=-1)  # [n, T, I] each
             x = x + _linear(F.silu(gate) * up, layer["wdown"])
+        if self._record_hidden and hidden is not None:
+            hidden.append(x)
         if logits == "none":
             return None
         if logits == "last":
