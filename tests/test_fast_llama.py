@@ -185,6 +185,9 @@ def test_record_hidden_gives_hf_last_hidden_states(use_kernel: bool) -> None:
     fast.forward(ids[:, 20:23], logits="last")  # short call (kernel when available)
     second = fast.last_hidden
     assert first.shape == (2, 20, 64) and second.shape == (2, 3, 64)
+    fast.forward(ids[1:, 23:24], rows=[1], logits="none")  # row 0 keeps its last record
+    assert fast.hidden_by_row[0][0] == 20 and torch.equal(fast.hidden_by_row[0][1], second[0])
+    assert fast.hidden_by_row[1][0] == 23 and fast.hidden_by_row[1][1].shape == (1, 64)
     with torch.no_grad():
         want = hf(ids[:, :23], output_hidden_states=True).hidden_states[-1]  # after the final norm
     got = hf.model.norm(torch.cat([first, second], dim=1))

@@ -152,6 +152,9 @@ class FastLlama:
         self.last_hidden: torch.Tensor | None = None
         """With ``record_hidden``: the last forward's final residual stream (before the final norm),
         ``[n, T, hidden]`` float32, one line per row it was given, in order."""
+        self.hidden_by_row: dict[int, tuple[int, torch.Tensor]] = {}
+        """With ``record_hidden``: for each row, ``(start, hidden [T, hidden])`` of the last forward
+        that fed it (positions ``start .. start + T - 1``); survives calls on other rows."""
         self.reset(max_batch_size)
 
     @property
@@ -166,6 +169,7 @@ class FastLlama:
     def record_hidden(self, on: bool) -> None:
         self._record_hidden = bool(on)
         self.last_hidden = None
+        self.hidden_by_row = {}
         if self._kernel is not None:
             self._kernel.set_keep_hidden(self._record_hidden)
 
@@ -332,6 +336,9 @@ class FastLlama:
             out = self._forward_kernel(ids, idx, starts, logits)
         else:
             out = self._forward_chunked(ids, idx, starts, logits)
+        if self._record_hidden and self.last_hidden is not None:
+            for i, (row, start) in enumerate(zip(idx.tolist(), starts.tolist())):
+                self.hidden_by_row[row] = (start, self.last_hidden[i])
         self._lengths[idx] = starts + T
         return out
 
