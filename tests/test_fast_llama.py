@@ -22,7 +22,7 @@ from transformers import (
 )
 
 from verispec.models.base import KVModel
-from verispec.models.fast_llama import FastLlama, kernel_available
+from verispec.models.fast_llama import FastLlama, _quantize_rows, kernel_available
 
 HAVE_KERNEL = kernel_available()
 requires_kernel = pytest.mark.skipif(not HAVE_KERNEL, reason="C++ kernel could not be built here")
@@ -195,11 +195,12 @@ def test_record_hidden_gives_hf_last_hidden_states(use_kernel: bool) -> None:
 
 
 @requires_kernel
-def test_kernel_logits_are_bitwise_independent_of_tokens_per_call() -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_kernel_logits_are_bitwise_independent_of_tokens_per_call(dtype: str) -> None:
     """Plain greedy (T=1 steps) and verification (T=5 steps) must see identical logits."""
     hf = _mistral()
     ids = torch.randint(0, VOCAB, (2, 25), generator=torch.Generator().manual_seed(8))
-    fast = FastLlama.from_hf(hf, max_batch_size=2, use_kernel=True)
+    fast = FastLlama.from_hf(hf, dtype=dtype, max_batch_size=2, use_kernel=True)
     fast.forward(ids[:, :5], logits="none")
     one_at_a_time = torch.cat([fast.forward(ids[:, t : t + 1]) for t in range(5, 25)], dim=1)
     for steps in ((5, 5, 5, 5), (3, 1, 16), (2, 7, 11)):
@@ -242,6 +243,47 @@ def test_bfloat16_weights_match_a_bf16_rounded_reference(use_kernel: bool) -> No
             if p.dim() == 2:
                 p.copy_(p.bfloat16().float())
     _close(got, _reference(rounded, ids))
+
+
+def _matrices(hf: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The weight matrices (a tied embedding/head once); norms and biases are 1-D."""
+    return [p for p in hf.parameters() if p.dim() == 2]
+
+
+@pytest.mark.parametrize("use_kernel", PATHS)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_int8_weights_match_a_dequantised_reference(arch: str, use_kernel: bool) -> None:
+    """int8 computes the model whose matrices are ``q * scale``; tied (llama) and biased (qwen2)."""
+    hf = MODELS[arch]()
+    ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(11))
+    fast = FastLlama.from_hf(hf, dtype="int8", use_kernel=use_kernel)
+    # 20 tokens on the torch path, then short calls (kernel when present).
+    got = torch.cat([fast.forward(ids[:, :20]), fast.forward(ids[:, 20:32]), fast.forward(ids[:, 32:])], 1)
+    dequantised = MODELS[arch]()
+    with torch.no_grad():
+        for p in _matrices(dequantised):
+            q, scale = _quantize_rows(p.float())
+            assert q.dtype == torch.int8 and int(q.abs().max()) == 127
+            p.copy_(q.float() * scale[:, None])
+    _close(got, _reference(dequantised, ids))
+    # The quantisation is not a no-op: the float32 model's logits differ.
+    assert not torch.allclose(got, _reference(hf, ids), rtol=1e-4, atol=2e-5)
+    # One byte per matrix element plus a float32 scale per row; everything else as in float32.
+    mats = _matrices(hf)
+    elements, rows = sum(p.numel() for p in mats), sum(p.shape[0] for p in mats)
+    float32 = FastLlama.from_hf(hf, use_kernel=False).weight_bytes()
+    assert fast.weight_bytes() == float32 - 4 * elements + elements + 4 * rows
+
+
+def test_int8_quantisation_round_trip() -> None:
+    w = torch.randn(6, 40, generator=torch.Generator().manual_seed(12))
+    w[3] = 0.0  # an all-zero row must not divide by zero
+    q, scale = _quantize_rows(w)
+    assert q.shape == w.shape and scale.shape == (6,) and scale[3] == 0 and not q[3].any()
+    # Round to nearest: every weight within half a step of its row.
+    assert bool(((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-7).all())
+    with pytest.raises(ValueError):
+        FastLlama.from_hf(_llama(), dtype="int4")
 
 
 def test_supports_and_limits() -> None:

@@ -140,6 +140,29 @@ def test_default_model_greedy_equals_plain(default_model, tiny_model_folder):
                 assert spec.token_ids == plain.token_ids, (k, type(drafter).__name__, text[:40])
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_fast_path_low_precision_greedy_equals_plain(dtype):
+    """With bf16 or int8 weights the fast path's greedy speculative output is its plain output."""
+    from verispec.models.fast_llama import kernel_available
+    from verispec.models.loading import wrap
+
+    if not kernel_available():
+        pytest.skip("bitwise T-independence is the kernel's; the torch fallback is only close")
+
+    target = wrap(tiny_llama(vocab_size=64, seed=0, layers=2, hidden=32, dtype=torch.float32), dtype=dtype)
+    draft = wrap(tiny_llama(vocab_size=64, seed=1, layers=1, hidden=32, dtype=torch.float32), dtype=dtype)
+    assert target.dtype == dtype and target.uses_kernel
+    prompt = repetitive_prompt()
+    plain = verispec.speculative_generate(target, None, prompt, max_new_tokens=40, temperature=0)
+    for chosen in (draft, verispec.PromptLookup()):
+        for k in (1, 5):
+            spec = verispec.speculative_generate(
+                target, chosen, prompt, max_new_tokens=40, temperature=0, num_speculative_tokens=k
+            )
+            assert spec.token_ids == plain.token_ids, (type(chosen).__name__, k)
+            assert spec.stats.draft_tokens > 0
+
+
 def test_rows_join_without_speculation_and_gain_it_later(tiny_pair):
     """A sequence added with k = 0 starts its drafter lazily when its k rises (server batch policy)."""
     from verispec.api import as_kvmodel, make_proposer

@@ -12,6 +12,10 @@
 // many tokens or rows share the call, nor on how work is split over threads. So a token's logits
 // are bitwise the same whether it is fed alone (T=1) or with draft tokens (T=5), in any batch.
 //
+// Weights are float32, bfloat16 or int8 (symmetric, one float32 scale per weight row). An int8
+// row's dot product is accumulated over the integer weights widened to float and multiplied by the
+// row's scale once at the end: a per-element step, so the property above still holds.
+//
 // Compiled at first use by torch.utils.cpp_extension.load with -mavx2 -mfma.
 
 #include <ATen/Parallel.h>
@@ -28,6 +32,7 @@
 namespace {
 
 using bf16 = uint16_t;
+using i8 = int8_t;
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
@@ -37,7 +42,14 @@ inline __m256 load8(const bf16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+// int8 -> f32 is exact (sign-extend to int32, convert); the memory-operand form of vpmovsxbd
+// reads exactly the 8 bytes.
+inline __m256 load8(const i8* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
 inline float to_f32(float v) { return v; }
+inline float to_f32(i8 v) { return static_cast<float>(v); }
 inline float to_f32(bf16 v) {
   const uint32_t u = static_cast<uint32_t>(v) << 16;
   float f;
@@ -53,15 +65,16 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// y[i, j] (+)= bias[j] + dot(x[i, :K], w[j, :K]) for an MR x NR tile.
-// Each element has one accumulator chain over K in steps of 8, then hsum, then the scalar tail:
-// the same sequence whatever MR and NR are, which is what makes results independent of M.
+// y[i, j] (+)= bias[j] + dot(x[i, :K], w[j, :K]) * scale[j] for an MR x NR tile (no scale when
+// `scale` is null: float32 and bf16 weights).
+// Each element has one accumulator chain over K in steps of 8, then hsum, then the scalar tail,
+// then the scale: the same sequence whatever MR and NR are, which makes results independent of M.
 // `pf` (0: none) is an element offset from each weight row to prefetch alongside, pointing into a
 // later block of the stream. Without it loads and FMAs serialise (measured: M=5 costs memory time +
 // compute time); with it the next block's DRAM reads overlap this block's arithmetic.
 template <int MR, int NR, typename WT>
-inline void tile(const float* x, int64_t ldx, const WT* w, int64_t K, const float* bias, float* y,
-                 int64_t ldy, bool accumulate, int64_t pf) {
+inline void tile(const float* x, int64_t ldx, const WT* w, int64_t K, const float* scale,
+                 const float* bias, float* y, int64_t ldy, bool accumulate, int64_t pf) {
   __m256 acc[MR][NR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
@@ -88,6 +101,7 @@ inline void tile(const float* x, int64_t ldx, const WT* w, int64_t K, const floa
     for (int j = 0; j < NR; ++j) {
       float s = hsum(acc[i][j]);
       for (int64_t kk = k; kk < K; ++kk) s += x[i * ldx + kk] * to_f32(w[j * K + kk]);
+      if (scale != nullptr) s *= scale[j];
       if (bias != nullptr) s += bias[j];
       float* out = y + i * ldy + j;
       *out = accumulate ? *out + s : s;
@@ -98,30 +112,35 @@ inline void tile(const float* x, int64_t ldx, const WT* w, int64_t K, const floa
 // Rows m0 .. m0+MR of the input against weight rows n0 .. n0+nr (nr <= 4).
 template <int MR, typename WT>
 inline void tile_rows(const float* x, int64_t ldx, const WT* w, int64_t K, int64_t nr,
-                      const float* bias, float* y, int64_t ldy, bool acc, int64_t pf) {
+                      const float* scale, const float* bias, float* y, int64_t ldy, bool acc,
+                      int64_t pf) {
   // MR x 2 (MR >= 3) or MR x 4 tiles: 6-12 accumulators + weight and input vectors fit in the
   // 16 ymm registers, and there are always >= 4 independent FMA chains.
   constexpr int NR = MR >= 3 ? 2 : 4;
   int64_t j = 0;
   for (; j + NR <= nr; j += NR)
-    tile<MR, NR>(x, ldx, w + j * K, K, bias ? bias + j : nullptr, y + j, ldy, acc, pf);
-  for (; j < nr; ++j) tile<MR, 1>(x, ldx, w + j * K, K, bias ? bias + j : nullptr, y + j, ldy, acc, pf);
+    tile<MR, NR>(x, ldx, w + j * K, K, scale ? scale + j : nullptr, bias ? bias + j : nullptr,
+                 y + j, ldy, acc, pf);
+  for (; j < nr; ++j)
+    tile<MR, 1>(x, ldx, w + j * K, K, scale ? scale + j : nullptr, bias ? bias + j : nullptr,
+                y + j, ldy, acc, pf);
 }
 
 template <typename WT>
 inline void tile_any(int64_t mr, const float* x, int64_t ldx, const WT* w, int64_t K, int64_t nr,
-                     const float* bias, float* y, int64_t ldy, bool acc, int64_t pf) {
+                     const float* scale, const float* bias, float* y, int64_t ldy, bool acc,
+                     int64_t pf) {
   switch (mr) {
-    case 1: return tile_rows<1>(x, ldx, w, K, nr, bias, y, ldy, acc, pf);
-    case 2: return tile_rows<2>(x, ldx, w, K, nr, bias, y, ldy, acc, pf);
-    case 3: return tile_rows<3>(x, ldx, w, K, nr, bias, y, ldy, acc, pf);
-    case 4: return tile_rows<4>(x, ldx, w, K, nr, bias, y, ldy, acc, pf);
-    case 5: return tile_rows<5>(x, ldx, w, K, nr, bias, y, ldy, acc, pf);
-    default: return tile_rows<6>(x, ldx, w, K, nr, bias, y, ldy, acc, pf);
+    case 1: return tile_rows<1>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf);
+    case 2: return tile_rows<2>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf);
+    case 3: return tile_rows<3>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf);
+    case 4: return tile_rows<4>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf);
+    case 5: return tile_rows<5>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf);
+    default: return tile_rows<6>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf);
   }
 }
 
-// y[M, N] (+)= x[M, K] @ w[N, K]^T + bias. Threads split the weight rows, so each thread streams
+// y[M, N] (+)= (x[M, K] @ w[N, K]^T) * scale[N] + bias. Threads split the weight rows, so each thread streams
 // its half of the weights once; within a block of 4 weight rows every input row is applied while
 // the block is in L1.
 // Prefetch distance, in blocks of weight rows. Measured on the 2-core EPYC (SmolLM2 shapes, one
@@ -130,7 +149,7 @@ constexpr int64_t kPrefetchBlocks = 2;
 
 template <typename WT>
 void linear(const float* x, int64_t M, int64_t ldx, const WT* w, int64_t N, int64_t K,
-            const float* bias, float* y, int64_t ldy, bool accumulate) {
+            const float* scale, const float* bias, float* y, int64_t ldy, bool accumulate) {
   constexpr int64_t NB = 4;
   const int64_t nblocks = (N + NB - 1) / NB;
   at::parallel_for(0, nblocks, 16, [&](int64_t b0, int64_t b1) {
@@ -138,6 +157,7 @@ void linear(const float* x, int64_t M, int64_t ldx, const WT* w, int64_t N, int6
       const int64_t n0 = b * NB;
       const int64_t nr = std::min(NB, N - n0);
       const float* bb = bias ? bias + n0 : nullptr;
+      const float* sb = scale ? scale + n0 : nullptr;
       // Only the first pass over the block prefetches; later passes find it in L1/L2.
       int64_t pf = kPrefetchBlocks * NB * K;
       for (int64_t m = 0; m < M; pf = 0) {
@@ -145,7 +165,8 @@ void linear(const float* x, int64_t M, int64_t ldx, const WT* w, int64_t N, int6
         // fewer weight loads per FMA. The split never changes any element's arithmetic.
         const int64_t rest = M - m;
         const int64_t mr = rest <= 6 ? rest : rest <= 12 ? (rest + 1) / 2 : 6;
-        tile_any(mr, x + m * ldx, ldx, w + n0 * K, K, nr, bb, y + m * ldy + n0, ldy, accumulate, pf);
+        tile_any(mr, x + m * ldx, ldx, w + n0 * K, K, nr, sb, bb, y + m * ldy + n0, ldy, accumulate,
+                 pf);
         m += mr;
       }
     }
@@ -211,8 +232,19 @@ inline void dot4(const float* q, const float* k, int64_t D, float* out) {
   for (int i = 0; i < 4; ++i) out[i] = s[i];
 }
 
+// A weight matrix [N, K] and, for int8, its per-row scales [N] (undefined otherwise).
+struct Mat {
+  at::Tensor w, scale;
+  const float* sc() const { return scale.defined() ? scale.data_ptr<float>() : nullptr; }
+};
+
 struct Layer {
-  at::Tensor in_norm, wqkv, bqkv, wo, bo, post_norm, wgu, wdown;
+  at::Tensor in_norm;
+  Mat wqkv;
+  at::Tensor bqkv;
+  Mat wo;
+  at::Tensor bo, post_norm;
+  Mat wgu, wdown;
 };
 
 }  // namespace
@@ -227,30 +259,35 @@ class FastLlamaKernel {
     TORCH_CHECK(n_heads % n_kv_heads == 0, "n_heads must be a multiple of n_kv_heads");
   }
 
+  // The s* arguments are the per-row scales of int8 weights (None for float32 and bf16).
   void add_layer(at::Tensor in_norm, at::Tensor wqkv, std::optional<at::Tensor> bqkv, at::Tensor wo,
                  std::optional<at::Tensor> bo, at::Tensor post_norm, at::Tensor wgu,
-                 at::Tensor wdown) {
+                 at::Tensor wdown, std::optional<at::Tensor> sqkv, std::optional<at::Tensor> so,
+                 std::optional<at::Tensor> sgu, std::optional<at::Tensor> sdown) {
     const int64_t qkv = (Hq_ + 2 * Hkv_) * D_;
-    check_weight(wqkv, qkv, H_);
-    check_weight(wo, H_, Hq_ * D_);
-    check_weight(wgu, 2 * I_, H_);
-    check_weight(wdown, H_, I_);
+    Layer L;
+    L.wqkv = mat(wqkv, sqkv, qkv, H_);
+    L.wo = mat(wo, so, H_, Hq_ * D_);
+    L.wgu = mat(wgu, sgu, 2 * I_, H_);
+    L.wdown = mat(wdown, sdown, H_, I_);
     check_f32(in_norm, H_);
     check_f32(post_norm, H_);
     if (bqkv) check_f32(*bqkv, qkv);
     if (bo) check_f32(*bo, H_);
-    layers_.push_back({in_norm, wqkv, bqkv.value_or(at::Tensor()), wo, bo.value_or(at::Tensor()),
-                       post_norm, wgu, wdown});
+    L.in_norm = in_norm;
+    L.post_norm = post_norm;
+    L.bqkv = bqkv.value_or(at::Tensor());
+    L.bo = bo.value_or(at::Tensor());
+    layers_.push_back(std::move(L));
   }
 
-  void set_head(at::Tensor embed, at::Tensor final_norm, at::Tensor head) {
-    TORCH_CHECK(embed.dim() == 2 && embed.size(1) == H_ && embed.is_contiguous(), "bad embedding");
-    TORCH_CHECK(embed.scalar_type() == at::kFloat || embed.scalar_type() == at::kBFloat16);
+  // The embedding has the weights' type; an int8 one is dequantised row by row (`embed_scale`).
+  void set_head(at::Tensor embed, at::Tensor final_norm, at::Tensor head,
+                std::optional<at::Tensor> embed_scale, std::optional<at::Tensor> head_scale) {
+    embed_ = mat(embed, embed_scale, embed.size(0), H_);
     check_f32(final_norm, H_);
-    check_weight(head, head.size(0), H_);
-    embed_ = embed;
+    head_ = mat(head, head_scale, head.size(0), H_);
     final_norm_ = final_norm;
-    head_ = head;
   }
 
   void set_rope(at::Tensor cos, at::Tensor sin) {
@@ -280,7 +317,7 @@ class FastLlamaKernel {
                      const at::Tensor& logit_rows) {
     for (const auto* t : {&ids, &slots, &pos, &logit_rows})
       TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1);
-    TORCH_CHECK(!kc_.empty() && cos_.defined() && head_.defined(), "kernel not fully set up");
+    TORCH_CHECK(!kc_.empty() && cos_.defined() && head_.w.defined(), "kernel not fully set up");
     const int64_t M = ids.numel();
     TORCH_CHECK(slots.numel() == M && pos.numel() == M);
     const int64_t B = kc_[0].size(0), S = kc_[0].size(2);
@@ -288,12 +325,15 @@ class FastLlamaKernel {
     const int64_t* sl = slots.data_ptr<int64_t>();
     const int64_t* ps = pos.data_ptr<int64_t>();
     for (int64_t m = 0; m < M; ++m) {
-      TORCH_CHECK(id[m] >= 0 && id[m] < embed_.size(0), "token id out of range");
+      TORCH_CHECK(id[m] >= 0 && id[m] < embed_.w.size(0), "token id out of range");
       TORCH_CHECK(sl[m] >= 0 && sl[m] < B, "row out of range");
       TORCH_CHECK(ps[m] >= 0 && ps[m] < S && ps[m] < cos_.size(0), "position out of range");
     }
-    const bool bf = head_.scalar_type() == at::kBFloat16;
-    return bf ? run<bf16>(M, id, sl, ps, logit_rows) : run<float>(M, id, sl, ps, logit_rows);
+    switch (wtype_) {
+      case at::kBFloat16: return run<bf16>(M, id, sl, ps, logit_rows);
+      case at::kChar: return run<i8>(M, id, sl, ps, logit_rows);
+      default: return run<float>(M, id, sl, ps, logit_rows);
+    }
   }
 
   // When on, each forward keeps the final residual stream (before the final norm) of all its
@@ -304,18 +344,28 @@ class FastLlamaKernel {
   }
   at::Tensor last_hidden() const { return hidden_; }
 
-  // Exposed for tests and benchmarks: y = x @ w^T (+ bias), x [M, K] float32.
-  at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w, std::optional<at::Tensor> bias) {
+  // Exposed for tests and benchmarks: y = (x @ w^T) * scale (+ bias), x [M, K] float32; `scale`
+  // [N] for int8 weights only.
+  at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w, std::optional<at::Tensor> bias,
+                       std::optional<at::Tensor> scale) {
     TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2);
     check_weight(w, w.size(0), x.size(1));
+    check_scale(w, scale);
+    if (bias) check_f32(*bias, w.size(0));
     auto y = at::empty({x.size(0), w.size(0)}, x.options());
     const float* b = bias ? bias->data_ptr<float>() : nullptr;
-    if (w.scalar_type() == at::kBFloat16)
-      linear(x.data_ptr<float>(), x.size(0), x.size(1), wptr<bf16>(w), w.size(0), w.size(1), b,
-             y.data_ptr<float>(), y.size(1), false);
-    else
-      linear(x.data_ptr<float>(), x.size(0), x.size(1), wptr<float>(w), w.size(0), w.size(1), b,
-             y.data_ptr<float>(), y.size(1), false);
+    const float* s = scale ? scale->data_ptr<float>() : nullptr;
+    const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
+    switch (w.scalar_type()) {
+      case at::kBFloat16:
+        linear(x.data_ptr<float>(), M, K, wptr<bf16>(w), N, K, s, b, y.data_ptr<float>(), N, false);
+        break;
+      case at::kChar:
+        linear(x.data_ptr<float>(), M, K, wptr<i8>(w), N, K, s, b, y.data_ptr<float>(), N, false);
+        break;
+      default:
+        linear(x.data_ptr<float>(), M, K, wptr<float>(w), N, K, s, b, y.data_ptr<float>(), N, false);
+    }
     return y;
   }
 
@@ -330,11 +380,32 @@ class FastLlamaKernel {
                 "expected contiguous float32 with ", n, " elements");
   }
 
-  void check_weight(const at::Tensor& w, int64_t n, int64_t k) const {
+  static void check_weight(const at::Tensor& w, int64_t n, int64_t k) {
     TORCH_CHECK(w.dim() == 2 && w.size(0) == n && w.size(1) == k && w.is_contiguous(),
                 "weight must be contiguous [", n, ", ", k, "]");
-    TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16,
-                "weights must be float32 or bfloat16");
+    const auto t = w.scalar_type();
+    TORCH_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kChar,
+                "weights must be float32, bfloat16 or int8");
+  }
+
+  // int8 weights need float32 scales, one per row; the float types take none.
+  static void check_scale(const at::Tensor& w, const std::optional<at::Tensor>& scale) {
+    if (w.scalar_type() == at::kChar) {
+      TORCH_CHECK(scale.has_value(), "int8 weights need per-row scales");
+      check_f32(*scale, w.size(0));
+    } else {
+      TORCH_CHECK(!scale.has_value(), "only int8 weights take scales");
+    }
+  }
+
+  // A checked weight of [n, k]; every weight of one model must share one type (run<WT> reads all
+  // of them as WT).
+  Mat mat(const at::Tensor& w, const std::optional<at::Tensor>& scale, int64_t n, int64_t k) {
+    check_weight(w, n, k);
+    check_scale(w, scale);
+    if (wtype_ == at::ScalarType::Undefined) wtype_ = w.scalar_type();
+    TORCH_CHECK(w.scalar_type() == wtype_, "all weights must have one type");
+    return {w, scale.value_or(at::Tensor())};
   }
 
   static const float* opt(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
@@ -353,27 +424,30 @@ class FastLlamaKernel {
     float* xn = xn_.data();
     float* qkv = qkv_.data();
 
-    const WT* emb = wptr<WT>(embed_);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < H; ++k) x[m * H + k] = to_f32(emb[id[m] * H + k]);
+    const WT* emb = wptr<WT>(embed_.w);
+    const float* emb_scale = embed_.sc();
+    for (int64_t m = 0; m < M; ++m) {
+      const float s = emb_scale ? emb_scale[id[m]] : 1.0f;  // x * 1.0f is exact for the float types
+      for (int64_t k = 0; k < H; ++k) x[m * H + k] = to_f32(emb[id[m] * H + k]) * s;
+    }
 
     const float* cos = cos_.data_ptr<float>();
     const float* sin = sin_.data_ptr<float>();
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& L = layers_[l];
       rmsnorm(x, M, H, L.in_norm.data_ptr<float>(), eps_, xn);
-      linear(xn, M, H, wptr<WT>(L.wqkv), QKV, H, opt(L.bqkv), qkv, QKV, false);
+      linear(xn, M, H, wptr<WT>(L.wqkv.w), QKV, H, L.wqkv.sc(), opt(L.bqkv), qkv, QKV, false);
       write_kv(l, M, sl, ps, cos, sin);
       attention(l, M, sl, ps);
-      linear(att_.data(), M, HQD, wptr<WT>(L.wo), H, HQD, opt(L.bo), x, H, true);
+      linear(att_.data(), M, HQD, wptr<WT>(L.wo.w), H, HQD, L.wo.sc(), opt(L.bo), x, H, true);
       rmsnorm(x, M, H, L.post_norm.data_ptr<float>(), eps_, xn);
-      linear(xn, M, H, wptr<WT>(L.wgu), 2 * I, H, nullptr, gu_.data(), 2 * I, false);
+      linear(xn, M, H, wptr<WT>(L.wgu.w), 2 * I, H, L.wgu.sc(), nullptr, gu_.data(), 2 * I, false);
       for (int64_t m = 0; m < M; ++m) {
         const float* g = gu_.data() + m * 2 * I;
         float* a = act_.data() + m * I;
         for (int64_t k = 0; k < I; ++k) a[k] = g[k] / (1.0f + std::exp(-g[k])) * g[I + k];
       }
-      linear(act_.data(), M, I, wptr<WT>(L.wdown), H, I, nullptr, x, H, true);
+      linear(act_.data(), M, I, wptr<WT>(L.wdown.w), H, I, L.wdown.sc(), nullptr, x, H, true);
     }
 
     if (keep_hidden_) {
@@ -388,9 +462,11 @@ class FastLlamaKernel {
       TORCH_CHECK(lr[r] >= 0 && lr[r] < M, "logit row out of range");
       rmsnorm(x + lr[r] * H, 1, H, final_norm_.data_ptr<float>(), eps_, sel.data() + r * H);
     }
-    const int64_t V = head_.size(0);
+    const int64_t V = head_.w.size(0);
     auto logits = at::empty({R, V}, at::kFloat);
-    if (R > 0) linear(sel.data(), R, H, wptr<WT>(head_), V, H, nullptr, logits.data_ptr<float>(), V, false);
+    if (R > 0)
+      linear(sel.data(), R, H, wptr<WT>(head_.w), V, H, head_.sc(), nullptr, logits.data_ptr<float>(),
+             V, false);
     return logits;
   }
 
@@ -464,7 +540,9 @@ class FastLlamaKernel {
   bool keep_hidden_ = false;
   at::Tensor hidden_;
   std::vector<Layer> layers_;
-  at::Tensor embed_, final_norm_, head_, cos_, sin_;
+  at::ScalarType wtype_ = at::ScalarType::Undefined;
+  Mat embed_, head_;
+  at::Tensor final_norm_, cos_, sin_;
   std::vector<at::Tensor> kc_, vc_;
   std::vector<float> x_, xn_, qkv_, att_, gu_, act_;
 };

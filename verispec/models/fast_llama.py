@@ -48,6 +48,8 @@ from verispec.models.base import LogitsMode, tensor_bytes
 logger = logging.getLogger(__name__)
 
 _SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+DTYPES = ("float32", "bfloat16", "int8")
+"""Weight formats of ``FastLlama.from_hf`` (the matrices only; everything else stays float32)."""
 # RoPE variants whose frequencies do not depend on the sequence length, so a precomputed table is
 # exact. ("dynamic" and "longrope" rescale with the length and are not supported.)
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
@@ -101,11 +103,40 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` in x's dtype; bfloat16-stored weights are widened exactly first."""
+def _linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``(x @ weight.T) * scale + bias`` in x's dtype; x ``[..., K]``, weight ``[N, K]``.
+
+    bfloat16 and int8 weights are widened exactly first (a temporary copy: this path serves long
+    prefills, where the matmul dominates). ``scale`` ``[N]`` (int8 only) multiplies the finished dot
+    products, in the kernel's order, rather than the weights.
+    """
     if weight.dtype != x.dtype:
         weight = weight.to(x.dtype)
-    return F.linear(x, weight, bias)
+    if scale is None:
+        return F.linear(x, weight, bias)
+    y = F.linear(x, weight) * scale
+    return y if bias is None else y + bias
+
+
+def _quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 with one scale per row: ``w ~= q * scale[:, None]``.
+
+    Args:
+        w: ``[N, K]`` float32.
+
+    Returns:
+        ``q`` ``[N, K]`` int8 in -127..127 and ``scale`` ``[N]`` float32 (``max |w[n]| / 127``; an
+        all-zero row gets scale 0).
+    """
+    amax = w.abs().amax(dim=1)  # [N]
+    scale = amax / 127.0
+    q = torch.round(w / torch.where(scale > 0, scale, 1.0)[:, None]).clamp_(-127, 127)
+    return q.to(torch.int8).contiguous(), scale.contiguous()
 
 
 class FastLlama:
@@ -207,8 +238,10 @@ class FastLlama:
         Args:
             hf_model: the loaded model (any weight source: safetensors, GGUF-dequantised, ...).
             tokenizer: kept as ``self.tokenizer``.
-            dtype: "float32" (exact w.r.t. the HF model) or "bfloat16" (weights rounded to bf16 and
-                widened in the kernel: half the memory traffic; activations stay float32).
+            dtype: "float32" (exact w.r.t. the HF model), "bfloat16" (weight matrices rounded to
+                bf16 and widened in the kernel: half the memory traffic) or "int8" (symmetric int8
+                with one float32 scale per weight row: a quarter of the traffic). Activations,
+                norms, biases and the KV cache stay float32 in every format.
             max_batch_size: rows to preallocate caches for (``reset`` can grow them).
             max_length: context cap; defaults to ``config.max_position_embeddings``.
             use_kernel: None = use the C++ kernel when it builds (and ``VERISPEC_NO_KERNEL`` is unset);
@@ -216,8 +249,8 @@ class FastLlama:
         """
         if not cls.supports(hf_model):
             raise ValueError(f"FastLlama does not support {type(hf_model).__name__}")
-        if dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be 'float32' or 'bfloat16', not {dtype!r}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
         config = hf_model.config
         limit = int(config.max_position_embeddings)
         if _uses_sliding_window(config):
@@ -225,7 +258,7 @@ class FastLlama:
             # context keeps us exact without a windowed mask.
             limit = min(limit, int(config.sliding_window))
         max_length = limit if max_length is None else min(int(max_length), limit)
-        weights = _repack(hf_model, getattr(torch, dtype), max_length)
+        weights = _repack(hf_model, dtype, max_length)
         device = weights["embed"].device
         if use_kernel is None:
             use_kernel = os.environ.get("VERISPEC_NO_KERNEL", "") in ("", "0")
@@ -255,8 +288,9 @@ class FastLlama:
             k.add_layer(
                 lw["in_norm"], lw["wqkv"], lw["bqkv"], lw["wo"], lw["bo"],
                 lw["post_norm"], lw["wgu"], lw["wdown"],
+                lw["wqkv_scale"], lw["wo_scale"], lw["wgu_scale"], lw["wdown_scale"],
             )  # fmt: skip
-        k.set_head(w["embed"], w["norm"], w["head"])
+        k.set_head(w["embed"], w["norm"], w["head"], w["embed_scale"], w["head_scale"])
         k.set_rope(w["cos"], w["sin"])
         return k
 
@@ -424,9 +458,11 @@ class FastLlama:
         sin = w["sin"][pos][:, :, None, :]
         contiguous = bool((idx == torch.arange(int(idx[0]), int(idx[0]) + n)).all())
         x = w["embed"][ids.to(dev)].float()  # [n, T, hidden]
+        if w["embed_scale"] is not None:
+            x = x * w["embed_scale"][ids.to(dev)][..., None]  # int8 rows, dequantised as the kernel does
         for layer, kc, vc in zip(w["layers"], self.k_cache, self.v_cache, strict=True):
             h = _rms_norm(x, layer["in_norm"], self._eps)
-            qkv = _linear(h, layer["wqkv"], layer["bqkv"])  # [n, T, (Hq + 2 Hkv) D]
+            qkv = _linear(h, layer["wqkv"], layer["bqkv"], layer["wqkv_scale"])  # [n, T, (Hq + 2 Hkv) D]
             q, k, v = qkv.view(n, T, Hq + 2 * Hkv, D).split([Hq, Hkv, Hkv], dim=2)
             q = q * cos + _rotate_half(q) * sin  # [n, T, Hq, D]
             k = k * cos + _rotate_half(k) * sin  # [n, T, Hkv, D]
@@ -440,17 +476,18 @@ class FastLlama:
             att = F.scaled_dot_product_attention(
                 q.transpose(1, 2), keys, values, attn_mask=mask, scale=D**-0.5, enable_gqa=True
             )  # [n, Hq, T, D]
-            x = x + _linear(att.transpose(1, 2).reshape(n, T, Hq * D), layer["wo"], layer["bo"])
+            att = att.transpose(1, 2).reshape(n, T, Hq * D)
+            x = x + _linear(att, layer["wo"], layer["bo"], layer["wo_scale"])
             h = _rms_norm(x, layer["post_norm"], self._eps)
-            gate, up = _linear(h, layer["wgu"]).chunk(2, dim=-1)  # [n, T, I] each
-            x = x + _linear(F.silu(gate) * up, layer["wdown"])
+            gate, up = _linear(h, layer["wgu"], scale=layer["wgu_scale"]).chunk(2, dim=-1)  # [n, T, I] each
+            x = x + _linear(F.silu(gate) * up, layer["wdown"], scale=layer["wdown_scale"])
         if self._record_hidden and hidden is not None:
             hidden.append(x)
         if logits == "none":
             return None
         if logits == "last":
             x = x[:, -1]  # [n, hidden]: only the last position pays for the vocab projection
-        return _linear(_rms_norm(x, w["norm"], self._eps), w["head"]).float()
+        return _linear(_rms_norm(x, w["norm"], self._eps), w["head"], scale=w["head_scale"]).float()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -471,12 +508,19 @@ def _uses_sliding_window(config: Any) -> bool:
     return True
 
 
-def _repack(hf_model: Any, dtype: torch.dtype, max_length: int) -> dict[str, Any]:
-    """Fused, contiguous weights in ``dtype`` (norms, biases and RoPE tables stay float32)."""
+def _repack(hf_model: Any, dtype: str, max_length: int) -> dict[str, Any]:
+    """Fused, contiguous weight matrices in ``dtype`` (one of ``DTYPES``).
+
+    Norms, biases and RoPE tables stay float32. Each matrix ``name`` comes with ``name + "_scale"``:
+    its per-row scales ``[N]`` float32 for int8, None otherwise.
+    """
     inner = hf_model.model
 
-    def mat(*ts: torch.Tensor) -> torch.Tensor:
-        return torch.cat([t.detach().float() for t in ts], dim=0).to(dtype).contiguous()
+    def mat(*ts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        full = torch.cat([t.detach().float() for t in ts], dim=0)
+        if dtype == "int8":
+            return _quantize_rows(full)
+        return full.to(getattr(torch, dtype)).contiguous(), None
 
     def vec(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.detach().float().contiguous()
@@ -485,22 +529,31 @@ def _repack(hf_model: Any, dtype: torch.dtype, max_length: int) -> dict[str, Any
     for blk in inner.layers:
         att, mlp = blk.self_attn, blk.mlp
         bias = [p.bias for p in (att.q_proj, att.k_proj, att.v_proj)]
+        wqkv, sqkv = mat(att.q_proj.weight, att.k_proj.weight, att.v_proj.weight)
+        wo, so = mat(att.o_proj.weight)
+        wgu, sgu = mat(mlp.gate_proj.weight, mlp.up_proj.weight)
+        wdown, sdown = mat(mlp.down_proj.weight)
         layers.append(
             {
                 "in_norm": vec(blk.input_layernorm.weight),
-                "wqkv": mat(att.q_proj.weight, att.k_proj.weight, att.v_proj.weight),
+                "wqkv": wqkv,
+                "wqkv_scale": sqkv,
                 "bqkv": None if bias[0] is None else torch.cat([vec(b) for b in bias]),
-                "wo": mat(att.o_proj.weight),
+                "wo": wo,
+                "wo_scale": so,
                 "bo": vec(att.o_proj.bias),
                 "post_norm": vec(blk.post_attention_layernorm.weight),
-                "wgu": mat(mlp.gate_proj.weight, mlp.up_proj.weight),
-                "wdown": mat(mlp.down_proj.weight),
+                "wgu": wgu,
+                "wgu_scale": sgu,
+                "wdown": wdown,
+                "wdown_scale": sdown,
             }
         )
-    embed = mat(inner.embed_tokens.weight)
+    embed, embed_scale = mat(inner.embed_tokens.weight)
     lm_head = hf_model.get_output_embeddings().weight
     tied = lm_head.data_ptr() == inner.embed_tokens.weight.data_ptr()
-    head = embed if tied else mat(lm_head)
+    # A tied head is the embedding's tensors themselves (one copy, counted once by weight_bytes).
+    head, head_scale = (embed, embed_scale) if tied else mat(lm_head)
     # Same arithmetic as HF's rotary embedding: float32 position * inv_freq, cos/sin, then the
     # attention scaling, so the tables are bitwise HF's.
     rot = inner.rotary_emb
@@ -510,7 +563,9 @@ def _repack(hf_model: Any, dtype: torch.dtype, max_length: int) -> dict[str, Any
     return {
         "layers": layers,
         "embed": embed,
+        "embed_scale": embed_scale,
         "head": head,
+        "head_scale": head_scale,
         "norm": vec(inner.norm.weight),
         "cos": (emb.cos() * rot.attention_scaling).contiguous(),
         "sin": (emb.sin() * rot.attention_scaling).contiguous(),
