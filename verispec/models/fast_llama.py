@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from verispec.models.base import LogitsMode, tensor_bytes
+from verispec.models.threads import ThreadTuner
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +180,8 @@ class FastLlama:
         self._kernel: Any = None
         if use_kernel:
             self._kernel = self._build_kernel()
+        self._threads = ThreadTuner()
+        """Picks 1 or all threads per kernel call from measured times (see ``threads.py``)."""
         self._record_hidden = False
         self.last_hidden: torch.Tensor | None = None
         """With ``record_hidden``: the last forward's final residual stream (before the final norm),
@@ -408,7 +411,8 @@ class FastLlama:
             wanted = torch.arange(T - 1, n * T, T)
         else:
             wanted = torch.zeros(0, dtype=torch.int64)
-        out = self._kernel.forward(ids.reshape(-1).contiguous(), slots, pos, wanted)
+        flat = ids.reshape(-1).contiguous()
+        out = self._threads.run(lambda: self._kernel.forward(flat, slots, pos, wanted), tokens=n * T)
         if self._record_hidden:
             self.last_hidden = self._kernel.last_hidden().view(n, T, -1)
         if logits == "none":

@@ -1,0 +1,60 @@
+"""The kernel's thread-count tuner: follows measured call times, probes rarely when settled."""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.models.threads import ThreadTuner
+
+
+class FakeClock:
+    """Makes ``time.perf_counter`` advance by a per-thread-count cost during each call."""
+
+    def __init__(self, costs: dict[int, float]) -> None:
+        self.costs = costs
+        self.now = 0.0
+        self.calls: list[int] = []
+
+    def call(self) -> None:
+        threads = torch.get_num_threads()
+        self.calls.append(threads)
+        self.now += self.costs[threads]
+
+
+def _run(tuner: ThreadTuner, clock: FakeClock, n: int, monkeypatch) -> None:
+    monkeypatch.setattr("verispec.models.threads.time.perf_counter", lambda: clock.now)
+    for _ in range(n):
+        tuner.run(clock.call)
+
+
+def test_keeps_two_threads_on_a_quiet_machine_and_probes_less_and_less(monkeypatch) -> None:
+    tuner = ThreadTuner(max_threads=lambda: 2)
+    clock = FakeClock({2: 0.028, 1: 0.050})
+    _run(tuner, clock, 2000, monkeypatch)
+    assert tuner.choice == 2
+    probes = clock.calls.count(1)
+    assert 3 <= probes <= 8  # at 16, 48, 112, ... calls: intervals double up to 1024
+    assert torch.get_num_threads() == 2  # the process setting is restored after each call
+
+
+def test_switches_to_one_thread_under_contention_and_back(monkeypatch) -> None:
+    tuner = ThreadTuner(max_threads=lambda: 2)
+    clock = FakeClock({2: 0.028, 1: 0.050})
+    _run(tuner, clock, 100, monkeypatch)
+    clock.costs = {2: 1.2, 1: 0.07}  # another process takes a core
+    start = len(clock.calls)
+    _run(tuner, clock, 300, monkeypatch)
+    assert tuner.choice == 1
+    slow = [i for i, t in enumerate(clock.calls[start:]) if t == 2]
+    assert len(slow) <= 1 + 300 // 16  # at most the calls before the next probe, then rare probes
+    clock.costs = {2: 0.028, 1: 0.050}  # the other process ends
+    _run(tuner, clock, ThreadTuner.max_interval_reduced + 1, monkeypatch)
+    assert tuner.choice == 2
+
+
+def test_single_thread_process_never_probes(monkeypatch) -> None:
+    tuner = ThreadTuner(max_threads=lambda: 1)
+    clock = FakeClock({1: 0.05, 2: 0.05})
+    before = torch.get_num_threads()
+    _run(tuner, clock, 50, monkeypatch)
+    assert clock.calls == [before] * 50  # never touched the thread setting
