@@ -155,3 +155,164 @@ def test_distill_cli_trains_saves_and_resumes(tiny_model_folder, tmp_path, capsy
     draft = load_draft(out, target)
     assert draft.model.cfg.draft_vocab == 512
     assert '"after"' in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------- EAGLE
+
+
+def _eagle(kv, vocab: int = 48, layer: int = 2):
+    from verispec.distill.model import DraftKV
+
+    cfg = new_config(kv.hf_model, [layer], vocab, trained_head=True, features=True)
+    model = build_draft(kv, cfg, torch.arange(vocab))
+    return model, DraftKV(model, max_length=kv.max_length, max_batch_size=2)
+
+
+def _fast_target(seed: int = 0):
+    from verispec.models.loading import wrap
+
+    hf = tiny_llama(vocab_size=64, seed=seed, layers=3, dtype=torch.float32)
+    return hf, wrap(hf, backend="fast", max_batch_size=2, max_length=256)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_eagle_greedy_equals_plain_greedy_for_a_batch(k):
+    from verispec.distill.eagle import EagleProposer
+
+    _, target = _fast_target()
+    _, draft = _eagle(target)
+    proposer = EagleProposer(target, draft, max_batch_size=2)
+    prompts = [[3, 14, 15, 9, 26, 5, 35, 8, 9, 7, 9, 3], [2, 7]]
+    plain = speculative_generate(
+        target, None, prompts, max_new_tokens=30, num_speculative_tokens=0, temperature=0
+    )
+    spec = speculative_generate(
+        target, proposer, prompts, max_new_tokens=30, num_speculative_tokens=k, temperature=0
+    )
+    for got, want in zip(spec, plain):
+        assert got.token_ids == want.token_ids
+        assert got.stats.draft_tokens > 0
+    # A draft token only ever comes from the head's subset.
+    proposal = proposer.propose(
+        [0], [prompts[0] + plain[0].token_ids[:3]], torch.tensor([k]), _greedy_params(), [None]
+    )
+    assert int(proposal.tokens.max()) < 48
+
+
+def _greedy_params():
+    from verispec.config import SamplingConfig
+    from verispec.sampling import SamplingTensors
+
+    return SamplingTensors.from_configs([SamplingConfig(temperature=0)])
+
+
+def test_eagle_feeds_the_targets_recorded_features():
+    """After a step, the draft's cache holds exactly the committed pairs (h_t, x_{t+1}), t <= N - 2,
+    with the target's own features: its last output equals a one-shot forward over them."""
+    from verispec.config import GenerationConfig, SamplingConfig
+    from verispec.distill.eagle import EagleProposer, unrolled_forward
+    from verispec.engine import Engine
+
+    _, target = _fast_target()
+    model, draft = _eagle(target)
+    proposer = EagleProposer(target, draft, max_batch_size=2)
+    engine = Engine(target, proposer)
+    config = GenerationConfig(
+        max_new_tokens=40, num_speculative_tokens=3, sampling=SamplingConfig(temperature=0)
+    )
+    seq = engine.new_sequence([3, 14, 15, 9, 26, 5, 35, 8], config)
+    target.reset(1)
+    engine.add(seq, 0)
+    for _ in range(4):
+        engine.step([seq])
+    committed = list(seq.tokens)
+    proposer.propose([0], [committed], torch.tensor([2]), _greedy_params(), [None])  # catch up
+    n = len(committed)
+    assert draft.lengths[0] >= n - 1 and proposer._agreed[0] == n - 1
+    _, fresh = _fast_target()  # the same weights; its prefill records every committed feature at once
+    fresh.record_hidden = True
+    fresh.forward(torch.tensor([committed[:-1]]), rows=[0], logits="none")
+    feats = torch.cat([fresh.last_hidden, fresh.last_hidden[:, -1:]], dim=1)  # [1, n, hidden]
+    with torch.no_grad():
+        f1, _ = unrolled_forward(model, torch.tensor([committed]), feats, unroll=False)
+    torch.testing.assert_close(proposer._feature[0], f1[0, n - 2], rtol=1e-4, atol=1e-4)
+
+
+def test_eagle_sampled_run_completes_and_is_seeded():
+    from verispec.distill.eagle import EagleProposer
+
+    _, target = _fast_target()
+    _, draft = _eagle(target)
+    proposer = EagleProposer(target, draft, max_batch_size=2)
+    runs = [
+        speculative_generate(
+            target,
+            proposer,
+            [5, 6, 7, 8],
+            max_new_tokens=24,
+            num_speculative_tokens=3,
+            temperature=0.8,
+            seed=3,
+        )
+        for _ in range(2)
+    ]
+    assert len(runs[0].token_ids) == 24 and runs[0].token_ids == runs[1].token_ids
+    assert runs[0].stats.draft_tokens > 0
+
+
+def test_eagle_needs_a_target_that_records_features():
+    from verispec.distill.eagle import EagleProposer
+    from verispec.models.loading import wrap
+
+    hf, target = _fast_target()
+    kv = wrap(hf, backend="hf")  # the generic transformers wrapper: no recorded features
+    _, draft = _eagle(target)
+    with pytest.raises(ConfigError, match="hidden states"):
+        EagleProposer(kv, draft)
+
+
+def test_eagle_draft_round_trips_and_refuses_another_target(tmp_path):
+    from verispec.distill.eagle import EagleProposer
+    from verispec.distill.shipped import load_proposer
+
+    _, target = _fast_target(seed=0)
+    model, _ = _eagle(target)
+    with torch.no_grad():
+        model.fc.weight.normal_()
+    save_draft(tmp_path, model, {"target_name": "tiny", "target_id": target_id(target)})
+    proposer = load_proposer(tmp_path, target)
+    assert isinstance(proposer, EagleProposer)
+    torch.testing.assert_close(proposer.draft.model.fc.weight, model.fc.weight.half().float())
+    _, other = _fast_target(seed=1)
+    with pytest.raises(ConfigError, match="trained for target 'tiny'"):
+        load_proposer(tmp_path, other)
+
+
+def test_eagle_loss_trains_and_unrolls():
+    from verispec.distill.eagle import eagle_loss, unrolled_forward
+
+    _, target = _fast_target()
+    model, _ = _eagle(target)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 48, (2, 12), generator=g)
+    feats = torch.randn(2, 12, 32, generator=g)
+    f1, f2 = unrolled_forward(model, ids, feats)
+    assert f1.shape == (2, 11, 32) and f2.shape == (2, 10, 32)
+    # The unrolled step at position t + 1 equals a cached forward that fed f1_t after the teacher pairs.
+    from verispec.distill.model import DraftKV
+
+    kv = DraftKV(model, max_length=64)
+    kv.forward(ids[:1, 1:5], features=feats[:1, :4], logits="none")  # pairs at positions 0..3
+    kv.forward(ids[:1, 5:6], features=f1[:1, 3:4].detach(), logits="none")  # position 4 from f1_3
+    torch.testing.assert_close(kv.last_features[0, -1], f2[0, 3].detach(), rtol=1e-4, atol=1e-4)
+    lab = torch.randint(0, 48, (2, 12, 4), generator=g)
+    prob = torch.softmax(torch.randn(2, 12, 4, generator=g), -1)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    first = None
+    for _ in range(15):
+        loss, _ = eagle_loss(model, ids, feats, lab, prob)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        first = first if first is not None else loss.item()
+    assert loss.item() < first

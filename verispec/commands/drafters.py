@@ -7,7 +7,7 @@ from pathlib import Path
 
 from verispec.api import make_proposer
 from verispec.models.base import KVModel
-from verispec.proposers import DraftModelProposer, PromptLookup, Proposer
+from verispec.proposers import PromptLookup, Proposer
 from verispec.tokenizers import check_compatible
 
 log = logging.getLogger(__name__)
@@ -33,18 +33,15 @@ def build_proposer(
     if prompt_lookup or draft_model is None:
         return PromptLookup()
     if draft_model == "default":
-        shipped = shipped_draft_for(target)
+        shipped = shipped_draft_for(target, max_batch_size=max_batch_size)
         if shipped is None:
             log.warning("no draft is shipped for this target; using prompt lookup")
             return PromptLookup()
         return shipped
     if (Path(draft_model).expanduser() / "draft.json").is_file():  # a draft made by `verispec distill`
-        from verispec.distill.shipped import load_draft
+        from verispec.distill.shipped import load_proposer
 
-        return DraftModelProposer(
-            load_draft(Path(draft_model).expanduser(), target, max_batch_size=max_batch_size),
-            max_batch_size=max_batch_size,
-        )
+        return load_proposer(Path(draft_model).expanduser(), target, max_batch_size=max_batch_size)
     # Compare tokenizers before paying for the draft's weights.
     check_compatible(target.tokenizer, load_tokenizer(draft_model))
     draft = load_model(
@@ -53,10 +50,10 @@ def build_proposer(
     return make_proposer(target, draft, max_batch_size=max_batch_size)
 
 
-def shipped_draft_for(target: KVModel) -> Proposer | None:
+def shipped_draft_for(target: KVModel, max_batch_size: int = 1) -> Proposer | None:
     """The trained draft shipped for this target, when one exists (see ``verispec.distill``)."""
     try:
         from verispec.distill.shipped import load_shipped_draft
     except ModuleNotFoundError:
         return None
-    return load_shipped_draft(target)
+    return load_shipped_draft(target, max_batch_size=max_batch_size)

@@ -3,7 +3,9 @@
 Steps: (1) the target answers training prompts written for verispec (Spec-Bench-style, never
 Spec-Bench itself) and its top next-token probabilities are stored as soft labels in ``DIR/corpus``;
 ``--corpus FILE...`` adds plain text files, labelled the same way by teacher forcing; (2) a draft made
-of a few of the target's layers, with a head over the most frequent tokens, is distilled on them;
+of a few of the target's layers, with a head over the most frequent tokens, is distilled on them
+(``--arch eagle``: one layer over the target's hidden states, which are extracted first into
+``DIR/features``, see :mod:`verispec.distill.eagle`);
 (3) acceptance on held-out prompts is measured before and after; the draft and its metadata (target
 id, the command line) are written to DIR. Every stage resumes: generation keeps finished shards,
 training continues from ``DIR/checkpoint.pt`` with ``--resume``.
@@ -35,7 +37,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt")
     p.add_argument("--time-budget", type=float, help="stop training after this many minutes (resumable)")
     p.add_argument(
-        "--layers", default="0,1", help="target layers the draft's layers start from (default 0,1)"
+        "--arch",
+        choices=("standalone", "eagle"),
+        default="standalone",
+        help="standalone: a small LM of its own; eagle: a head over the target's hidden states "
+        "(one layer; needs the fast Llama path)",
+    )
+    p.add_argument(
+        "--layers",
+        help="target layers the draft's layers start from (default 0,1; for --arch eagle the last layer)",
+    )
+    p.add_argument(
+        "--features-dir", help="the target's hidden states over the corpus (eagle; default DIR/features)"
+    )
+    p.add_argument(
+        "--reg-weight", type=float, default=1.0, help="eagle: weight of the feature regression loss"
+    )
+    p.add_argument(
+        "--feature-noise", type=float, default=0.0, help="eagle: relative noise added to input features"
     )
     p.add_argument("--draft-vocab", type=int, default=8192, help="tokens scored by the draft's head")
     p.add_argument(
@@ -68,9 +87,12 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     progress = not args.quiet
-    layers = [int(x) for x in args.layers.split(",") if x.strip()]
     target = load_model(args.target, max_batch_size=max(1, args.gen_batch), max_length=1024)
     n_layers = target.hf_model.config.num_hidden_layers
+    eagle = args.arch == "eagle"
+    if args.layers is None:
+        args.layers = str(n_layers - 1) if eagle else "0,1"
+    layers = [int(x) for x in args.layers.split(",") if x.strip()]
     if not layers or any(not 0 <= i < n_layers for i in layers):
         raise ConfigError(f"--layers must name layers of the target (0..{n_layers - 1})")
 
@@ -104,13 +126,29 @@ def run(args: argparse.Namespace) -> int:
         train.new_config(target.hf_model, layers, 0).vocab_size,
         always=getattr(target, "eos_token_ids", ()),
     )
-    cfg = train.new_config(target.hf_model, layers, len(vocab_ids), trained_head=args.train_head)
+    cfg = train.new_config(
+        target.hf_model, layers, len(vocab_ids), trained_head=args.train_head, features=eagle
+    )
     model = shipped.build_draft(target, cfg, vocab_ids)
+    features = None
+    if eagle:
+        from verispec.distill import eagle as eagle_mod
+
+        features_dir = Path(args.features_dir) if args.features_dir else out / "features"
+        eagle_mod.extract_features(target, corpus, features_dir)
+        features = eagle_mod.read_features(features_dir)
+        if len(features) != len(corpus):
+            raise ConfigError(
+                f"{features_dir} holds features of {len(features)} sequences, not {len(corpus)}"
+            )
     held_out = train.eval_prompts(args.eval_per_category)
     target.reset(1)
 
     def acceptance() -> dict:
         kv = shipped.DraftKV(model, target.tokenizer, max_length=target.max_length)
+        if eagle:
+            proposer = eagle_mod.EagleProposer(target, kv)
+            return train.measure_acceptance(target, proposer, held_out, max_new_tokens=args.eval_tokens)
         return train.measure_acceptance(target, kv, held_out, max_new_tokens=args.eval_tokens)
 
     before_file = out / "acceptance_before.json"
@@ -131,6 +169,9 @@ def run(args: argparse.Namespace) -> int:
         time_budget_s=args.time_budget * 60 if args.time_budget else None,
         seed=args.seed,
         progress=progress,
+        features=features,
+        reg_weight=args.reg_weight,
+        noise=args.feature_noise,
     )
     after = acceptance()
     print(f"acceptance after: {after['overall']}", file=sys.stderr)

@@ -47,6 +47,7 @@ class DraftConfig:
     draft_vocab: int  # tokens the head scores (== vocab_size for a full head)
     init_layers: tuple[int, ...]  # target layers the draft's layers were initialised from
     trained_head: bool = False  # the head's rows are trained (and stored) rather than the target's
+    features: bool = False  # EAGLE: the input at t is fc([embed(x_{t+1}); h_t]), h the target's features
 
     def to_dict(self) -> dict:
         """JSON-ready form."""
@@ -141,6 +142,23 @@ class DraftLM(nn.Module):
         rows = head.detach() if vocab_ids is None else head.detach()[vocab_ids].clone()
         self.head = nn.Parameter(rows.float()) if cfg.trained_head else rows
         self.inv_freq = inv_freq.detach().float()  # [head_dim / 2]
+        h = cfg.hidden_size
+        # EAGLE (verispec.distill.eagle): fuse the next token's embedding with a feature vector.
+        self.fc = nn.Linear(2 * h, h, bias=False) if cfg.features else None
+
+    def inputs(self, ids: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
+        """The first layer's input ``[B, T, hidden]``: the embeddings of ``ids`` ``[B, T]``, or with
+        ``cfg.features`` ``fc([embed(ids); features])`` (``features`` ``[B, T, hidden]``)."""
+        x = F.embedding(ids, self.embed)  # [B, T, hidden]
+        if self.fc is None:
+            return x
+        if features is None:
+            raise ValueError("this draft reads the target's features: pass them with the token ids")
+        return self.fc(torch.cat([x, features.to(x.dtype)], dim=-1))
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and head: ``[..., hidden]`` features -> ``[..., draft_vocab]`` logits."""
+        return self._norm(x, self.norm) @ self.head.T
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """What a trained draft stores: layers, final norm, the head when trained (never embeddings)."""
@@ -173,10 +191,10 @@ class DraftLM(nn.Module):
         h = self._norm(x, layer.post_norm)
         return x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
         """Training path, no cache: ``[B, T]`` ids -> ``[B, T, draft_vocab]`` logits (causal)."""
         b, t = ids.shape
-        x = F.embedding(ids, self.embed)  # [B, T, hidden]
+        x = self.inputs(ids, features)  # [B, T, hidden]
         cos, sin = self._rope(torch.arange(t).expand(b, t))
         groups = self.cfg.num_heads // self.cfg.num_kv_heads
         for layer in self.layers:
@@ -185,7 +203,7 @@ class DraftLM(nn.Module):
                 q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), is_causal=True
             )  # [B, H, T, D]
             x = self._finish(layer, x, attn)
-        return self._norm(x, self.norm) @ self.head.T  # [B, T, draft_vocab]
+        return self.scores(x)  # [B, T, draft_vocab]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -211,6 +229,8 @@ class DraftKV:
         self._lengths = torch.zeros(0, dtype=torch.int64)
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
+        self.last_features: torch.Tensor | None = None
+        """The last forward's output features ``[n, T, hidden]`` (before the final norm)."""
         self.reset(max_batch_size)
 
     @property
@@ -221,6 +241,8 @@ class DraftKV:
     def memory_bytes(self) -> int:
         """Bytes of the draft's own weights and caches (shared target tensors not counted)."""
         own = sum(p.numel() * p.element_size() for p in self.model.layers.parameters())
+        if self.model.fc is not None:
+            own += self.model.fc.weight.numel() * self.model.fc.weight.element_size()
         if self.model.vocab_ids is not None:
             own += self.model.head.numel() * self.model.head.element_size()
         return own + sum(c.numel() * c.element_size() for c in self.k_cache + self.v_cache)
@@ -243,9 +265,16 @@ class DraftKV:
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, rows: list[int] | None = None, logits: LogitsMode = "all"
+        self,
+        input_ids: torch.Tensor,
+        rows: list[int] | None = None,
+        logits: LogitsMode = "all",
+        features: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """Append ``[n, T]`` ids to ``rows``; return ``[n, T, V]`` / ``[n, V]`` logits or None."""
+        """Append ``[n, T]`` ids to ``rows``; return ``[n, T, V]`` / ``[n, V]`` logits or None.
+
+        ``features`` ``[n, T, hidden]``: the feature paired with each token (EAGLE drafts only).
+        """
         m, cfg = self.model, self.model.cfg
         idx = torch.arange(len(self._lengths)) if rows is None else torch.as_tensor(rows, dtype=torch.int64)
         ids = torch.as_tensor(input_ids, dtype=torch.int64)
@@ -259,7 +288,7 @@ class DraftKV:
         # Query at position p sees keys 0..p of its own row.
         mask = torch.arange(end)[None, None, :] <= pos[:, :, None]  # [n, T, end]
         groups = cfg.num_heads // cfg.num_kv_heads
-        x = F.embedding(ids, m.embed)  # [n, T, hidden]
+        x = m.inputs(ids, features)  # [n, T, hidden]
         for li, layer in enumerate(m.layers):
             q, k, v = m._qkv(layer, x, cos, sin)  # [n, H, T, D], [n, H_kv, T, D]
             kc, vc = self.k_cache[li], self.v_cache[li]
@@ -272,16 +301,22 @@ class DraftKV:
             attn = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask[:, None])  # [n, H, T, D]
             x = m._finish(layer, x, attn)
         self._lengths[idx] = starts + t
+        self.last_features = x
         if logits == "none":
             return None
-        if logits == "last":
-            x = x[:, -1:]
-        scores = m._norm(x, m.norm) @ m.head.T  # [n, T', draft_vocab]
-        if m.vocab_ids is not None:
-            full = torch.full((*scores.shape[:2], cfg.vocab_size), float("-inf"))
-            full[..., m.vocab_ids] = scores
-            scores = full
-        scores = scores.float()
-        return scores[:, -1] if logits == "last" else scores
+        scores = self.logits(x[:, -1] if logits == "last" else x)
+        return scores
+
+    @torch.inference_mode()
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """``[..., hidden]`` output features -> ``[..., V]`` float32 logits over the target's whole
+        vocabulary (``-inf`` outside the head's subset, so the shared ``logits_to_probs`` applies)."""
+        m = self.model
+        scores = m.scores(features).float()  # [..., draft_vocab]
+        if m.vocab_ids is None:
+            return scores
+        full = scores.new_full((*scores.shape[:-1], m.cfg.vocab_size), float("-inf"))
+        full[..., m.vocab_ids] = scores
+        return full
 
     __call__ = forward

@@ -96,11 +96,26 @@ def build_draft(target, cfg: DraftConfig, vocab_ids: torch.Tensor | None) -> Dra
     for mine, src in zip(model.layers, cfg.init_layers):
         mine.adopt(layers[src], share=False)
     model.norm = torch.nn.Parameter(norm.weight.detach().float().clone())
+    if model.fc is not None:
+        # EAGLE: start from "the target's feature plus the next token's embedding", a residual stream
+        # the copied layer can read; training finds the real mix.
+        h = cfg.hidden_size
+        with torch.no_grad():
+            model.fc.weight.zero_()
+            model.fc.weight[:, :h] = torch.eye(h) * FC_INIT_EMBED
+            model.fc.weight[:, h:] = torch.eye(h)
     return model
 
 
+FC_INIT_EMBED = 1.0
+"""Weight of the token embedding in an EAGLE draft's initial ``fc`` (the feature's is 1)."""
+
+
 def load_draft(folder: str | Path, target, *, max_batch_size: int = 1) -> DraftKV:
-    """Load a draft for ``target``; ConfigError when it was trained for another target."""
+    """Load a draft's model for ``target``; ConfigError when it was trained for another target.
+
+    :func:`load_proposer` wraps it in the proposer its kind needs.
+    """
     from safetensors.torch import load_file
 
     meta = read_meta(folder)
@@ -125,19 +140,33 @@ def load_draft(folder: str | Path, target, *, max_batch_size: int = 1) -> DraftK
     )
 
 
+def load_proposer(folder: str | Path, target, *, max_batch_size: int = 1) -> Proposer:
+    """The proposer of a draft folder: an EAGLE head over the target's features
+    (:class:`~verispec.distill.eagle.EagleProposer`) or a standalone draft (``DraftModelProposer``)."""
+    draft = load_draft(folder, target, max_batch_size=max_batch_size)
+    if draft.model.cfg.features:
+        from verispec.distill.eagle import EagleProposer
+
+        return EagleProposer(target, draft, max_batch_size=max_batch_size)
+    return DraftModelProposer(draft, max_batch_size=max_batch_size)
+
+
 def shipped_folders() -> list[Path]:
-    """Folders of the drafts shipped with verispec."""
-    return sorted(p.parent for p in SHIPPED.glob(f"*/{META}")) if SHIPPED.is_dir() else []
+    """Folders of the drafts shipped with verispec, preferred first (``"priority"`` in draft.json,
+    highest first: the measured best draft for a target is the one ``--draft-model default`` loads)."""
+    if not SHIPPED.is_dir():
+        return []
+    folders = sorted(p.parent for p in SHIPPED.glob(f"*/{META}"))
+    return sorted(folders, key=lambda f: -float(read_meta(f).get("priority", 0)))
 
 
 def load_shipped_draft(target, *, max_batch_size: int = 1) -> Proposer | None:
-    """The proposer of the shipped draft trained for ``target``, or None when none was."""
+    """The proposer of the preferred shipped draft trained for ``target``, or None when none was."""
     try:
         mine = target_id(target)
     except (ConfigError, AttributeError):
         return None
     for folder in shipped_folders():
         if read_meta(folder).get("target_id") == mine and (folder / WEIGHTS).is_file():
-            draft = load_draft(folder, target, max_batch_size=max_batch_size)
-            return DraftModelProposer(draft, max_batch_size=max_batch_size)
+            return load_proposer(folder, target, max_batch_size=max_batch_size)
     return None

@@ -61,8 +61,10 @@ def make_batches(
     batch_tokens: int,
     max_len: int,
     seed: int,
-) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Padded batches ``(ids [B, T], label_idx [B, T, K], label_p [B, T, K])``.
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Padded batches ``(ids [B, T], label_idx [B, T, K], label_p [B, T, K], index [B])``.
+
+    ``index`` holds the batch's positions in ``corpus`` (to fetch per-sequence extras such as features).
 
     ``label_idx[b, t]`` are positions in ``vocab_ids`` of the target's top next tokens after
     ``ids[b, : t + 1]`` (-1: outside the subset or no label), ``label_p`` their target probabilities.
@@ -96,7 +98,7 @@ def make_batches(
                 prob[b, s - 1 : s - 1 + m] = seq["top_logp"][:m].float().exp()
         prob[lab < 0] = 0.0
         if prob.sum() > 0:  # prompts cut before their answers teach nothing (and give a NaN loss)
-            batches.append((ids, lab.clamp(min=0), prob))
+            batches.append((ids, lab.clamp(min=0), prob, torch.tensor(g)))
     return batches
 
 
@@ -127,12 +129,21 @@ def train(
     seed: int = 0,
     progress: bool = True,
     time_budget_s: float | None = None,
+    features: Sequence[torch.Tensor] | None = None,
+    reg_weight: float = 1.0,
+    noise: float = 0.0,
 ) -> dict:
     """Distill for ``steps`` optimizer steps (cosine schedule), checkpointing to ``out/checkpoint.pt``.
 
     With ``time_budget_s``, stops after the step that exhausts it (checkpointed, so ``resume`` with
-    the same ``steps`` finishes the schedule later).
+    the same ``steps`` finishes the schedule later). An EAGLE draft (``model.cfg.features``) needs the
+    target's ``features`` ``[T, hidden]`` per corpus sequence and trains with
+    :func:`verispec.distill.eagle.eagle_loss` (``reg_weight``, ``noise``).
     """
+    from verispec.distill.eagle import batch_features, eagle_loss
+
+    if model.cfg.features and features is None:
+        raise ValueError("an EAGLE draft trains on the target's features: pass features=")
     from tqdm import tqdm
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -159,8 +170,12 @@ def train(
         )
         for g in opt.param_groups:
             g["lr"] = lr * max(scale, 0.05)
-        ids, lab, prob = batches[step % len(batches)]
-        loss, agree = distill_loss(model, ids, lab, prob)
+        ids, lab, prob, index = batches[step % len(batches)]
+        if model.cfg.features:
+            feats = batch_features(features, index, ids.shape[1])  # [B, T, hidden]
+            loss, agree = eagle_loss(model, ids, feats, lab, prob, reg_weight=reg_weight, noise=noise)
+        else:
+            loss, agree = distill_loss(model, ids, lab, prob)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -243,7 +258,9 @@ def measure_acceptance(
     return {"overall": fig(total), "by_category": {c: fig(s) for c, s in per.items()}}
 
 
-def new_config(target_hf, layers: Sequence[int], draft_vocab: int, trained_head: bool = False) -> DraftConfig:
+def new_config(
+    target_hf, layers: Sequence[int], draft_vocab: int, trained_head: bool = False, features: bool = False
+) -> DraftConfig:
     """A DraftConfig for ``target_hf`` with layers copied from the target's ``layers``."""
     c = target_hf.config
     return DraftConfig(
@@ -258,4 +275,5 @@ def new_config(target_hf, layers: Sequence[int], draft_vocab: int, trained_head:
         draft_vocab=draft_vocab,
         init_layers=tuple(layers),
         trained_head=trained_head,
+        features=features,
     )

@@ -1,0 +1,296 @@
+"""EAGLE-style drafting from the target's own features (Li et al., 2024, "EAGLE: Speculative Sampling
+Requires Rethinking Feature Uncertainty").
+
+A standalone draft must guess what the target knows; an EAGLE head reads it. Let ``h_t`` be the
+target's final residual stream (before its final norm) at position ``t``: the feature from which
+the target predicted ``x_{t+1}``. The draft's input at position ``t`` is the pair
+``fc([embed(x_{t+1}); h_t])``; one Llama decoder layer with its own KV cache (RoPE positions) turns
+it into the draft's feature ``f_t``, trained to regress ``h_{t+1}``, and ``head(norm(f_t))`` scores
+``x_{t+2}``. Past the last committed token the target's features do not exist yet, so draft token
+``j + 1`` pairs the draft's own feature with the token it just drafted (feature autoregression).
+The head covers a frequent-token subset: draft probabilities outside it are exactly zero, which keeps
+rejection sampling lossless.
+
+The draft is a :class:`~verispec.distill.model.DraftLM` with ``cfg.features`` set, run by the same
+:class:`~verispec.distill.model.DraftKV`. :class:`EagleProposer` is an ordinary
+:class:`~verispec.proposers.Proposer`: it holds the target and reads the features the target's own
+forwards recorded (``FastLlama.record_hidden`` / ``hidden_by_row``), so the engine never knows which
+drafter it holds.
+
+Cache bookkeeping, per slot: the draft's cache holds the pairs of positions ``0 .. agreed - 1``. The
+target's cache holds the committed tokens but the pending last one (``base.py``), so after a step with
+``N`` committed tokens the target has recorded features up to position ``N - 2`` and the pairs
+``agreed .. N - 2`` are fed in one call; the last one's output predicts the token after the pending
+one. ``start`` leaves the prompt's last pair for the first ``propose``, so every proposal has a
+fresh feature.
+
+Training (:func:`eagle_loss`): teacher forcing on the target's features (soft cross-entropy against
+the target's top-32 distribution, plus smooth-L1 feature regression), and a second step unrolled
+on the draft's own features with the attention pattern it has at inference (HASS, Zhang et al.,
+2024), since every draft token after the first is made that way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from verispec.config import ConfigError
+from verispec.distill.model import DraftKV, DraftLM
+from verispec.proposers import Proposal, _empty
+from verispec.rejection import inverse_cdf, uniforms
+from verispec.sampling import SamplingTensors, logits_to_probs
+
+
+class EagleProposer:
+    """Drafts with an EAGLE head (a :class:`DraftKV` whose model has ``cfg.features``) over ``target``'s
+    recorded last hidden states. ``target`` must record them (the fast Llama path:
+    :class:`~verispec.models.fast_llama.FastLlama`); constructing the proposer turns recording on."""
+
+    def __init__(self, target, draft: DraftKV, max_batch_size: int = 1):
+        if not (hasattr(target, "record_hidden") and hasattr(target, "hidden_by_row")):
+            raise ConfigError(
+                f"an EAGLE draft reads the target's hidden states, which {type(target).__name__} does not "
+                "record; load the target on the fast Llama path (backend 'fast' or 'auto')"
+            )
+        if not draft.model.cfg.features:
+            raise ConfigError("this draft does not read target features; use DraftModelProposer")
+        self.target = target
+        self.draft = draft
+        target.record_hidden = True
+        self._agreed: dict[int, int] = {}
+        """Pairs held in the draft's cache per slot (positions ``0 .. agreed - 1``)."""
+        self._feature: dict[int, torch.Tensor] = {}
+        """Per slot, the draft's output ``[hidden]`` at position ``agreed - 1``."""
+        self._batch = 0
+        self._ensure(max_batch_size)
+
+    def _ensure(self, slots: int) -> None:
+        if slots > self._batch:
+            self.draft.reset(slots)
+            self._batch = slots
+            self._agreed, self._feature = {}, {}
+
+    def start(self, slot: int, tokens: Sequence[int]) -> None:
+        """Feed the prompt's pairs ``(h_t, x_{t+1})`` but the last, from the prefill's recorded features."""
+        self._ensure(slot + 1)
+        self.draft.truncate(torch.zeros(1, dtype=torch.int64), rows=[slot])
+        self._agreed[slot] = 0
+        self._feature.pop(slot, None)
+        self._feed(slot, list(tokens), len(tokens) - 2)
+
+    def propose(
+        self,
+        slots: list[int],
+        committed: list[list[int]],
+        num_tokens: torch.Tensor,
+        params: SamplingTensors,
+        generators: Sequence[torch.Generator | None],
+    ) -> Proposal:
+        """Catch up on the newly committed pairs, then draft ``max(num_tokens)`` tokens per row."""
+        batch = len(slots)
+        k = int(num_tokens.max()) if batch else 0
+        if k == 0:
+            return _empty(batch)
+        for slot, toks in zip(slots, committed):
+            if slot not in self._agreed:  # the proposer was resized under this row: start it again
+                self._ensure(slot + 1)
+                self._agreed[slot] = 0
+            self._feed(slot, toks, len(toks) - 1)
+        # A row with no pair yet (a one-token prompt before its first target step) drafts nothing.
+        ready = torch.tensor([s in self._feature for s in slots])
+        num_draft = torch.where(ready, num_tokens, torch.zeros_like(num_tokens))
+        if not bool(ready.any()):
+            return _empty(batch)
+        feats = torch.stack(
+            [self._feature.get(s, torch.zeros(self.draft.model.cfg.hidden_size)) for s in slots]
+        )  # [B, hidden]
+        tokens = torch.zeros(batch, k, dtype=torch.int64)
+        probs_out: list[torch.Tensor] = []
+        steps = int(num_draft.max())
+        for i in range(steps):
+            logits = self.draft.logits(feats)  # [B, V]
+            if params.all_greedy:
+                tok = logits.argmax(dim=-1)
+            else:
+                probs = logits_to_probs(logits, params)  # [B, V]
+                tok = inverse_cdf(probs, uniforms(generators, 1, probs.dtype)[:, 0].to(probs.device))
+                probs_out.append(probs)
+            tokens[:, i] = tok.cpu()
+            if i + 1 == steps:
+                break
+            # Feature autoregression: the draft's feature stands in for the target's not yet computed one.
+            self.draft.forward(tok[:, None], rows=slots, logits="none", features=feats[:, None])
+            feats = self.draft.last_features[:, -1]  # [B, hidden]
+        tokens = tokens[:, :steps]
+        num_draft = num_draft.clamp(max=steps)
+        probs = torch.stack(probs_out, dim=1) if probs_out else None  # [B, steps, V]
+        return Proposal(tokens=tokens, probs=probs, num_draft=num_draft)
+
+    def _feed(self, slot: int, tokens: list[int], upto: int) -> None:
+        """Roll the slot back to its agreed pairs and feed pairs ``agreed .. upto - 1``
+        (``(h_t, tokens[t + 1])``), with the target's recorded features where they exist.
+
+        Positions the target's last recorded forward does not cover (a step in which this row did not
+        draft overwrote them) are fed one at a time with the draft's own feature, as when drafting:
+        any draft distribution keeps verification exact, so this only costs acceptance.
+        """
+        agreed = self._agreed[slot]
+        self.draft.truncate(torch.tensor([agreed]), rows=[slot])
+        if upto <= agreed:
+            return
+        start, hidden = self.target.hidden_by_row.get(slot, (upto, None))
+        first = start if hidden is not None and start + len(hidden) >= upto else upto
+        first = max(first, agreed)
+        width = self.draft.model.cfg.hidden_size
+        for t in range(agreed, first):  # uncovered positions, rare
+            feat = self._feature.get(slot, torch.zeros(width))
+            self.draft.forward(
+                torch.tensor([[tokens[t + 1]]]), rows=[slot], logits="none", features=feat[None, None]
+            )
+            self._feature[slot] = self.draft.last_features[0, -1]
+        if first < upto:
+            ids = torch.tensor([tokens[first + 1 : upto + 1]])  # [1, n]
+            feats = hidden[first - start : upto - start][None]  # [1, n, hidden]
+            self.draft.forward(ids, rows=[slot], logits="none", features=feats)
+            self._feature[slot] = self.draft.last_features[0, -1]
+        self._agreed[slot] = upto
+
+
+# ------------------------------------------------------------------------------------------ training
+
+
+@torch.inference_mode()
+def extract_features(target, corpus: Sequence[dict], out: str | Path, *, per_shard: int = 100) -> Path:
+    """Store the target's last hidden states (float16 ``[T, hidden]`` per sequence, prompt and answer
+    in one prefill) as ``out/features_*.pt`` shards of ``per_shard`` sequences, in corpus order.
+
+    Shards already written are kept, so an interrupted run resumes.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    target.record_hidden = True
+    t0 = time.time()
+    for c0 in range(0, len(corpus), per_shard):
+        path = out / f"features_{c0 // per_shard:05d}.pt"
+        if path.is_file():
+            continue
+        shard = []
+        for seq in corpus[c0 : c0 + per_shard]:
+            target.reset(1)
+            target.forward(torch.as_tensor(seq["ids"])[None], rows=[0], logits="none")
+            shard.append(target.last_hidden[0].to(torch.float16).clone())
+        tmp = path.with_suffix(".tmp")
+        torch.save(shard, tmp)
+        tmp.replace(path)
+        print(f"features: {c0 + len(shard)}/{len(corpus)} sequences, {time.time() - t0:.0f} s", flush=True)
+    return out
+
+
+def read_features(folder: str | Path) -> list[torch.Tensor]:
+    """All ``[T, hidden]`` float16 feature tensors of a folder written by :func:`extract_features`."""
+    feats: list[torch.Tensor] = []
+    for shard in sorted(Path(folder).glob("features_*.pt")):
+        feats.extend(torch.load(shard))
+    return feats
+
+
+def batch_features(features: Sequence[torch.Tensor], index: torch.Tensor, length: int) -> torch.Tensor:
+    """``[B, length, hidden]`` float32 features of the corpus sequences ``index`` ``[B]``, zero-padded."""
+    width = features[int(index[0])].shape[-1]
+    out = torch.zeros(len(index), length, width)
+    for b, i in enumerate(index.tolist()):
+        n = min(length, features[i].shape[0])
+        out[b, :n] = features[i][:n].float()
+    return out
+
+
+def unrolled_forward(
+    model: DraftLM, ids: torch.Tensor, feats: torch.Tensor, unroll: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Teacher-forced draft features, and one step of feature autoregression.
+
+    Args:
+        ids: ``[B, T]`` tokens; feats: ``[B, T, hidden]`` the target's features at the same positions.
+
+    Returns:
+        ``f1`` ``[B, T - 1, hidden]``: position ``t`` from the pair ``(h_t, x_{t+1})``; and with
+        ``unroll``, ``f2`` ``[B, T - 2, hidden]``: position ``t + 1`` from ``(f1_t, x_{t+2})``, whose
+        query sees the teacher-forced keys of positions ``0 .. t`` and its own, exactly as the second
+        draft token does at inference.
+    """
+    b, t = ids.shape
+    groups = model.cfg.num_heads // model.cfg.num_kv_heads
+    n1 = t - 1
+    x1 = model.inputs(ids[:, 1:], feats[:, :-1])  # [B, T-1, hidden]
+    cos, sin = model._rope(torch.arange(n1).expand(b, n1))
+    kv = []
+    for layer in model.layers:
+        q, k, v = model._qkv(layer, x1, cos, sin)  # [B, H, T-1, D], [B, H_kv, T-1, D]
+        kv.append((k, v))
+        attn = F.scaled_dot_product_attention(
+            q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), is_causal=True
+        )
+        x1 = model._finish(layer, x1, attn)
+    if not unroll or t < 3:
+        return x1, None
+    n2 = t - 2
+    x2 = model.inputs(ids[:, 2:], x1[:, :-1])  # [B, T-2, hidden]: positions 1 .. T-2
+    cos, sin = model._rope((torch.arange(n2) + 1).expand(b, n2))
+    # Query i (position i + 1) sees teacher-forced keys 0..i and its own unrolled key.
+    mask = torch.cat([torch.ones(n2, n2, dtype=torch.bool).tril(), torch.eye(n2, dtype=torch.bool)], dim=1)
+    for layer, (k1, v1) in zip(model.layers, kv):
+        q, k, v = model._qkv(layer, x2, cos, sin)
+        keys = torch.cat([k1[:, :, :n2], k], dim=2).repeat_interleave(groups, 1)  # [B, H, 2(T-2), D]
+        vals = torch.cat([v1[:, :, :n2], v], dim=2).repeat_interleave(groups, 1)
+        attn = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
+        x2 = model._finish(layer, x2, attn)
+    return x1, x2
+
+
+def eagle_loss(
+    model: DraftLM,
+    ids: torch.Tensor,
+    feats: torch.Tensor,
+    lab: torch.Tensor,
+    prob: torch.Tensor,
+    *,
+    reg_weight: float = 1.0,
+    unroll: bool = True,
+    noise: float = 0.0,
+) -> tuple[torch.Tensor, float]:
+    """Soft cross-entropy (target's top-K labels) + ``reg_weight`` x smooth-L1 feature regression,
+    summed over the teacher-forced step and the unrolled one; and the first step's top-1 agreement.
+
+    ``ids`` ``[B, T]``, ``feats`` ``[B, T, hidden]``, ``lab``/``prob`` ``[B, T, K]`` as built by
+    :func:`verispec.distill.train.make_batches` (label at ``t`` = the target's distribution of
+    ``ids[t + 1]``). Features are compared in units of their RMS, so the weight does not depend on
+    the target's scale. ``noise`` adds Gaussian noise of that relative size to the input features.
+    """
+    scale = feats.pow(2).mean().sqrt().clamp(min=1e-6)
+    noisy = feats + noise * scale * torch.randn_like(feats) if noise > 0 else feats
+    f1, f2 = unrolled_forward(model, ids, noisy, unroll=unroll)
+    total = ids.new_zeros((), dtype=torch.float32)
+    agree = 0.0
+    for step, f in enumerate((f1, f2)):
+        if f is None:
+            continue
+        shift = step + 1  # f at position t predicts ids[t + 1 + shift]: label at t + shift
+        lab_s, prob_s, target = lab[:, shift:], prob[:, shift:], feats[:, shift:]
+        has = prob_s.sum(-1) > 0  # [B, T - shift]
+        if not bool(has.any()):
+            continue
+        mine = f[has]  # [N, hidden]
+        logp = torch.log_softmax(model.scores(mine), dim=-1)  # [N, draft_vocab]
+        ce = -(logp.gather(-1, lab_s[has]) * prob_s[has]).sum(-1).mean()
+        reg = F.smooth_l1_loss(mine / scale, target[has] / scale)
+        total = total + ce + reg_weight * reg
+        if step == 0:
+            with torch.no_grad():
+                top = prob_s[has][:, 0] > 0
+                agree = (logp.argmax(-1) == lab_s[has][:, 0])[top].float().mean().item()
+    return total, agree
