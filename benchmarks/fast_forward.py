@@ -1,4 +1,4 @@
-"""Milliseconds per forward of T new tokens: HF eager vs FastLlama (float32, bfloat16).
+"""Milliseconds per forward of T new tokens: HF eager vs FastLlama (float32, bfloat16, int8).
 
 Each forward appends T tokens after a fixed context and is then rolled back (``truncate`` for
 FastLlama, ``DynamicCache.crop`` for HF), so every run sees the same cache length. Prints the
@@ -6,6 +6,7 @@ median of ``--runs`` runs. Run it alone on the machine (``flock /tmp/verispec-cp
 timings taken while other jobs use the cores are meaningless.
 
     python benchmarks/fast_forward.py [--model DIR] [--runs 15] [--context 64] [--tokens 1 2 5 9]
+        [--dtypes float32 bfloat16 int8] [--threads N] [--no-hf] [--no-torch]
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Callable
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from verispec.models.fast_llama import FastLlama
+from verispec.models.fast_llama import DTYPES, FastLlama
 
 _CONVERTED = "/tmp/smol_conv"
 
@@ -103,9 +104,14 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--context", type=int, default=64, help="tokens already in the cache")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 5, 9])
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES, help="weight formats")
+    parser.add_argument("--threads", type=int, default=None, help="torch/kernel threads (default: torch's)")
     parser.add_argument("--no-hf", action="store_true", help="skip the (slow) HF eager baseline")
+    parser.add_argument("--no-torch", action="store_true", help="skip FastLlama's torch-path rows")
     args = parser.parse_args()
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = load_default_model(args.model).float().eval()
     context = torch.randint(0, model.config.vocab_size, (1, args.context))
@@ -113,13 +119,14 @@ def main() -> None:
     rows: list[tuple[str, list[tuple[float, float]]]] = []
     if not args.no_hf:
         rows.append(("hf-eager float32", bench_hf(model, context, args.tokens, args.runs)))
-    for dtype in ("float32", "bfloat16"):
-        for use_kernel in (True, False):
+    for dtype in args.dtypes:
+        for use_kernel in (True, False)[: 1 if args.no_torch else 2]:
             fast = FastLlama.from_hf(model, dtype=dtype, max_length=4096, use_kernel=use_kernel)
             if use_kernel and not fast.uses_kernel:
                 continue
             name = f"fast {dtype} {'kernel' if use_kernel else 'torch'}"
             rows.append((name, bench_fast(fast, context, args.tokens, args.runs)))
+            print(f"{name}: {fast.weight_bytes() / 1e6:.0f} MB of weights per forward", flush=True)
             del fast
     header = "".join(f"{'T=' + str(t):>14}" for t in args.tokens)
     print(f"{'variant':<24}{header}{'T=5/T=1':>10}   (median ms, min in brackets)")
