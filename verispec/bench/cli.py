@@ -35,6 +35,7 @@ from verispec.bench.report import goal_checks, markdown, plot_all
 from verispec.bench.runner import ALL, aggregate, run_interleaved
 from verispec.commands.common import add_sampling_arguments, sampling_config
 from verispec.config import ConfigError
+from verispec.models.fast_llama import DTYPES
 from verispec.proposers import DraftModelProposer, PromptLookup
 from verispec.stats import GenerationStats
 
@@ -84,7 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         default="float32",
-        help="our weight format(s), comma list; each gets its own plain baseline",
+        help="our weight format(s), comma list of float32, bfloat16, int8; each gets its own plain baseline",
     )
     p.add_argument("--backend", default="auto", choices=["auto", "fast", "hf"])
     p.add_argument("--out", default="bench-results", help="output folder")
@@ -115,6 +116,9 @@ def parse_options(args: argparse.Namespace) -> tuple[list[str], list[int], list[
         )
     ks = _int_list(args.num_speculative_tokens, "--num-speculative-tokens")
     dtypes = _names(args.dtype) or ["float32"]
+    bad = [d for d in dtypes if d not in DTYPES]
+    if bad:
+        raise ConfigError(f"unknown --dtype {', '.join(bad)}; choose from {', '.join(DTYPES)}")
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not 0.0 <= args.confidence_threshold < 1.0:

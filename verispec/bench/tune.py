@@ -24,6 +24,7 @@ from verispec.bench.methods import MethodConfig, Sampling, run_ours
 from verispec.bench.prompts import load_prompts, select
 from verispec.commands.common import add_sampling_arguments, sampling_config
 from verispec.config import ConfigError
+from verispec.models.fast_llama import DTYPES
 from verispec.proposers import DraftModelProposer, PromptLookup
 from verispec.stats import GenerationStats
 
@@ -46,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-k", type=int, default=4, help="draft length used to measure acceptance")
     p.add_argument("--k-max", type=int, default=12, help="largest k considered")
     add_sampling_arguments(p)
-    p.add_argument("--dtype", default="float32", help="weight format of the target")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="weight format of the target")
     p.add_argument("--backend", default="auto", choices=["auto", "fast", "hf"])
     p.add_argument("--json", action="store_true", help="print one JSON object")
 

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from verispec.config import ConfigError, SamplingConfig
+from verispec.models.fast_llama import DTYPES
 
 
 def add_model_arguments(p: argparse.ArgumentParser, *, draft_flag: str = "--draft-model") -> None:
@@ -26,7 +27,10 @@ def add_model_arguments(p: argparse.ArgumentParser, *, draft_flag: str = "--draf
         "--num-speculative-tokens", "-k", type=int, default=4, help="draft length k (0 = plain decoding)"
     )
     p.add_argument(
-        "--dtype", default="float32", help="weight format of the fast path (float32, bfloat16, int8)"
+        "--dtype",
+        default="float32",
+        choices=DTYPES,
+        help="weight format of the fast path: float32 (exact), bfloat16, or int8 (per-row scales)",
     )
     p.add_argument("--backend", default="auto", choices=["auto", "fast", "hf"], help="model implementation")
 
