@@ -316,3 +316,27 @@ def test_eagle_loss_trains_and_unrolls():
         opt.step()
         first = first if first is not None else loss.item()
     assert loss.item() < first
+
+
+def test_default_draft_is_the_measured_best_shipped_one(tmp_path, monkeypatch):
+    """``--draft-model default`` picks, among the drafts shipped for a target, the one whose recorded
+    held-out mean accepted length is highest."""
+    from verispec.distill import shipped
+    from verispec.distill.eagle import EagleProposer
+
+    _, target = _fast_target()
+    eagle_model, _ = _eagle(target)
+    plain = build_draft(target, new_config(target.hf_model, [0], 16), torch.arange(16))
+    for name, model, mal in (("a-standalone", plain, 1.4), ("b-eagle", eagle_model, 2.1)):
+        meta = {
+            "target_id": target_id(target),
+            "acceptance_after": {"overall": {"mean_accepted_length": mal}},
+        }
+        save_draft(tmp_path / name, model, meta)
+    monkeypatch.setattr(shipped, "SHIPPED", tmp_path)
+    assert isinstance(shipped.load_shipped_draft(target), EagleProposer)
+    meta_file = tmp_path / "a-standalone" / "draft.json"
+    meta = json.loads(meta_file.read_text())
+    meta["acceptance_after"]["overall"]["mean_accepted_length"] = 2.5
+    meta_file.write_text(json.dumps(meta))
+    assert isinstance(shipped.load_shipped_draft(target), DraftModelProposer)

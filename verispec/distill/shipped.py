@@ -152,12 +152,17 @@ def load_proposer(folder: str | Path, target, *, max_batch_size: int = 1) -> Pro
 
 
 def shipped_folders() -> list[Path]:
-    """Folders of the drafts shipped with verispec, preferred first (``"priority"`` in draft.json,
-    highest first: the measured best draft for a target is the one ``--draft-model default`` loads)."""
+    """Folders of the drafts shipped with verispec, best first: by the held-out mean accepted length
+    ``verispec distill`` recorded in each ``draft.json`` (the same prompts, k and length for every
+    draft), so ``--draft-model default`` loads the measured best draft for a target."""
     if not SHIPPED.is_dir():
         return []
-    folders = sorted(p.parent for p in SHIPPED.glob(f"*/{META}"))
-    return sorted(folders, key=lambda f: -float(read_meta(f).get("priority", 0)))
+
+    def measured(folder: Path) -> float:
+        after = read_meta(folder).get("acceptance_after") or {}
+        return float(after.get("overall", {}).get("mean_accepted_length", 0.0))
+
+    return sorted(sorted(p.parent for p in SHIPPED.glob(f"*/{META}")), key=measured, reverse=True)
 
 
 def load_shipped_draft(target, *, max_batch_size: int = 1) -> Proposer | None:
