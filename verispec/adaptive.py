@@ -30,8 +30,11 @@ def adapt_k(seq: SequenceState, drafted: int, accepted: int) -> int:
 
     Bounded by 1 and twice the configured k, so a run of easy text can speculate further than asked
     and a hard stretch falls back to cheap one-token drafts without switching speculation off.
+    Only drafts that used the whole allowance count: a drafter that stopped short by itself (prompt
+    lookup after a short match, a draft model below its confidence threshold) says nothing about
+    whether the allowance is right, and shrinking it would cut the next long, likely match short.
     """
-    if drafted == 0:  # the drafter found nothing: no evidence either way
+    if drafted == 0 or drafted < seq.k:  # no draft, or the drafter chose its own length
         return seq.k
     upper = max(1, 2 * seq.config.num_speculative_tokens)
     if accepted == drafted:
