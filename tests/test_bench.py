@@ -197,3 +197,23 @@ def test_tune_prints_costs_acceptance_and_a_pick(tiny_model_folder, prompts_file
 def test_tune_bad_input_exits_2(prompts_file, capsys):
     assert main(["tune", "--prompts", str(prompts_file), "--k-max", "0"]) == 2
     assert "--k-max" in capsys.readouterr().err
+
+
+def test_goal_faster_format_speculative_against_llama_cpp():
+    from verispec.bench.report import goal_checks
+    from verispec.bench.runner import ALL
+
+    def row(label, method, dtype, cat, tps):
+        return {"label": label, "method": method, "dtype": dtype, "category": cat, "tokens_per_second": tps,
+                "speedup": 1.0, "adaptive": False, "outputs_match_baseline": True}
+
+    cats = ("summarization", "rag", "coding", ALL)
+    rows = [row("llama.cpp", "llama.cpp", "gguf", c, 80.0) for c in cats]
+    rows += [row("autoregressive [int8]", "autoregressive", "int8", c, 70.0) for c in cats]
+    lookup = zip(cats, (120, 90, 85, 95))
+    rows += [row("prompt-lookup k=8 [int8]", "prompt-lookup", "int8", c, t) for c, t in lookup]
+    results = {"rows": rows, "by_dtype": {"int8": {"bandwidth_bound_tokens_per_second": 200.0}}}
+    checks = {c["goal"].split(" on ")[0]: c for c in goal_checks(results)}
+    assert checks["int8 plain faster than llama.cpp plain"]["met"] is False
+    spec = checks["int8 speculative faster than llama.cpp plain"]
+    assert spec["met"] is True and "coding 1.06x" in spec["value"]
