@@ -126,6 +126,10 @@ def run(args: argparse.Namespace) -> int:
         train.new_config(target.hf_model, layers, 0).vocab_size,
         always=getattr(target, "eos_token_ids", ()),
     )
+    ckpt = out / "checkpoint.pt"
+    if args.resume and ckpt.is_file():
+        # The head's rows belong to the vocabulary the run started with, even if the corpus grew.
+        vocab_ids = torch.load(ckpt).get("vocab_ids", vocab_ids)
     cfg = train.new_config(
         target.hf_model, layers, len(vocab_ids), trained_head=args.train_head, features=eagle
     )

@@ -186,10 +186,13 @@ def train(
         over = time_budget_s is not None and time.time() - t0 > time_budget_s
         if (step + 1) % checkpoint_every == 0 or step + 1 == steps or over:
             tmp = out / "checkpoint.pt.tmp"
-            torch.save(
-                {"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1, "history": history},
-                tmp,
-            )
+            state = {
+                "model": model.state_dict(),
+                "opt": opt.state_dict(),
+                "step": step + 1,
+                "history": history,
+            }
+            torch.save({**state, "vocab_ids": model.vocab_ids}, tmp)
             tmp.replace(ckpt)
         if over:
             break
