@@ -58,3 +58,14 @@ def test_single_thread_process_never_probes(monkeypatch) -> None:
     before = torch.get_num_threads()
     _run(tuner, clock, 50, monkeypatch)
     assert clock.calls == [before] * 50  # never touched the thread setting
+
+
+def test_follow_uses_the_current_choice_without_learning(monkeypatch) -> None:
+    tuner = ThreadTuner(max_threads=lambda: 2)
+    clock = FakeClock({2: 1.2, 1: 0.07})  # contention from the start
+    _run(tuner, clock, 20, monkeypatch)
+    assert tuner.choice == 1
+    seen = []
+    tuner.follow(lambda: seen.append(torch.get_num_threads()))
+    assert seen == [1] and torch.get_num_threads() == 2
+    assert tuner.choice == 1

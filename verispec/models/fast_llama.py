@@ -372,7 +372,7 @@ class FastLlama:
         if self._kernel is not None and T <= self.kernel_max_tokens:
             out = self._forward_kernel(ids, idx, starts, logits)
         else:
-            out = self._forward_chunked(ids, idx, starts, logits)
+            out = self._threads.follow(lambda: self._forward_chunked(ids, idx, starts, logits))
         if self._record_hidden and self.last_hidden is not None:
             for i, (row, start) in enumerate(zip(idx.tolist(), starts.tolist())):
                 self.hidden_by_row[row] = (start, self.last_hidden[i])

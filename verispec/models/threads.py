@@ -49,6 +49,19 @@ class ThreadTuner:
         top = max(1, self._max_threads())
         return top if self._choice is None or self._choice > top else self._choice
 
+    def follow(self, fn: Callable[[], R]) -> R:
+        """Call ``fn`` on the current choice without measuring it (calls of another cost scale, such
+        as long prefills, which are too rare to learn from but collapse just as badly)."""
+        top = max(1, self._max_threads())
+        threads = self.choice
+        if threads == top:
+            return fn()
+        torch.set_num_threads(threads)
+        try:
+            return fn()
+        finally:
+            torch.set_num_threads(top)
+
     def run(self, fn: Callable[[], R], tokens: int = 1) -> R:
         """Call ``fn`` on the chosen (or probed) thread count and record how long it took."""
         top = max(1, self._max_threads())
