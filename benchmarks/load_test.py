@@ -9,6 +9,12 @@ so every request produces exactly ``--max-tokens`` tokens:
     tokens/s and the speedup over k = 0 per batch size: where the speedup falls below 1 is where the
     server's batch policy should stop speculating.
 
+``compare``
+    The goal "at 1 client, the server's speedup is within 10% of the bench's": for each prompt, in an
+    order rotated per prompt, in process (``speculative_generate``, the engine the bench runs) plain
+    and speculative, and through one server at 1 client with speculation off and on; whole request
+    (prompt included), ``ignore_eos``. Prints both speedups and their ratio.
+
 ``load``
     Starts a server on 127.0.0.1 (a free port), then for each client count C runs C concurrent
     streaming clients, each sending ``--requests`` requests one after another, once with speculation
@@ -20,6 +26,7 @@ Run it alone on the machine: timings taken while other jobs use the cores are me
 
     flock /tmp/verispec-cpu.lock python benchmarks/load_test.py crossover --batch 1 4 8 16
     flock /tmp/verispec-cpu.lock python benchmarks/load_test.py load --clients 1 4 16
+    flock /tmp/verispec-cpu.lock python benchmarks/load_test.py compare --per-category 2
 """
 
 from __future__ import annotations
@@ -122,7 +129,8 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     cmd = [sys.executable, "-m", "verispec.entrypoints.openai.api_server", "--model", args.model,
            "--served-model-name", "bench", "--port", str(port), "--max-num-seqs", str(max(args.clients)),
-           "--max-model-len", str(args.max_model_len), "-k", str(args.num_speculative_tokens)]
+           "--max-model-len", str(args.max_model_len), "-k", str(args.num_speculative_tokens),
+           "--dtype", args.dtype]
     cmd += ["--speculative-model", args.speculative_model] if args.speculative_model else ["--prompt-lookup"]
     if args.batch_policy:
         cmd += ["--batch-policy", args.batch_policy]
@@ -213,10 +221,76 @@ def load(args: argparse.Namespace) -> None:
     print("\n" + "\n".join(accepted))
 
 
+def compare(args: argparse.Namespace) -> None:
+    import httpx
+    import torch
+
+    from verispec.api import speculative_generate
+    from verispec.commands.drafters import build_proposer
+    from verispec.models.loading import load_model
+    from verispec.tokenizers import encode_prompt
+
+    torch.set_grad_enabled(False)
+    texts = [p.text for c in args.categories for p in [q for q in load_prompts() if q.category == c][
+        : args.per_category]]
+    if not texts:
+        raise SystemExit(f"no prompts in categories {args.categories}")
+    target = load_model(args.model, max_length=args.max_model_len, dtype=args.dtype)
+    proposer = build_proposer(target, args.speculative_model, args.speculative_model is None,
+                              dtype=args.dtype)
+    ids = [encode_prompt(target.tokenizer, t, chat=target.instruct) for t in texts]
+    proc, url = start_server(argparse.Namespace(**{**vars(args), "clients": [1]}))
+    client = httpx.Client(timeout=600)
+
+    def local(i: int, spec: bool) -> tuple[int, float]:
+        start = time.perf_counter()
+        out = speculative_generate(target, proposer if spec else None, ids[i], max_new_tokens=args.max_tokens,
+                                   num_speculative_tokens=args.num_speculative_tokens if spec else 0,
+                                   temperature=0, ignore_eos=True)
+        return len(out.token_ids), time.perf_counter() - start
+
+    def served(i: int, spec: bool) -> tuple[int, float]:
+        start = time.perf_counter()
+        r = client.post(f"{url}/v1/chat/completions", json={
+            "model": "bench", "messages": [{"role": "user", "content": texts[i]}],
+            "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,
+            "speculative": {"enabled": spec}})
+        r.raise_for_status()
+        return r.json()["usage"]["completion_tokens"], time.perf_counter() - start
+
+    modes = {"bench plain": (local, False), "bench speculative": (local, True),
+             "server off": (served, False), "server on": (served, True)}
+    totals = {m: [0, 0.0] for m in modes}
+    try:
+        for fn, spec in modes.values():  # warm-up, uncounted
+            fn(0, spec)
+        for i in range(len(texts)):
+            names = list(modes)
+            for m in names[i % 4:] + names[: i % 4]:
+                fn, spec = modes[m]
+                tokens, seconds = fn(i, spec)
+                totals[m][0] += tokens
+                totals[m][1] += seconds
+            so_far = {m: round(t / s, 2) for m, (t, s) in totals.items()}
+            print(json.dumps({"prompt": i, **so_far}), flush=True)
+    finally:
+        client.close()
+        proc.terminate()
+        proc.wait(timeout=30)
+    tps = {m: t / s for m, (t, s) in totals.items()}
+    bench_speedup = tps["bench speculative"] / tps["bench plain"]
+    server_speedup = tps["server on"] / tps["server off"]
+    print("\n| mode | tokens/s |\n|---|---|")
+    for m, v in tps.items():
+        print(f"| {m} | {v:.1f} |")
+    print(f"\nbench speedup {bench_speedup:.2f}x, server speedup at 1 client {server_speedup:.2f}x, "
+          f"ratio {server_speedup / bench_speedup:.2f} ({len(texts)} prompts, {args.max_tokens} tokens each)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     sub = p.add_subparsers(dest="mode", required=True)
-    for name in ("crossover", "load"):
+    for name in ("crossover", "load", "compare"):
         s = sub.add_parser(name)
         s.add_argument("--model", default="default")
         s.add_argument("--speculative-model", default=None, help="draft model (default: prompt lookup)")
@@ -230,11 +304,15 @@ def main() -> None:
     lo = sub.choices["load"]
     lo.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
     lo.add_argument("--requests", type=int, default=2, help="requests per client, one after another")
-    lo.add_argument("--num-speculative-tokens", "-k", type=int, default=4)
-    lo.add_argument("--batch-policy", default=None,
-                    help="passed to the server (default: its measured policy)")
+    for name in ("load", "compare"):
+        s = sub.choices[name]
+        s.add_argument("--num-speculative-tokens", "-k", type=int, default=4)
+        s.add_argument("--batch-policy", default=None, help="passed to the server (default: its policy)")
+        s.add_argument("--dtype", default="float32", help="weight format (server and in process)")
+    cmp = sub.choices["compare"]
+    cmp.add_argument("--per-category", type=int, default=2)
     args = p.parse_args()
-    (crossover if args.mode == "crossover" else load)(args)
+    {"crossover": crossover, "load": load, "compare": compare}[args.mode](args)
 
 
 if __name__ == "__main__":
