@@ -340,3 +340,22 @@ def test_default_draft_is_the_measured_best_shipped_one(tmp_path, monkeypatch):
     meta["acceptance_after"]["overall"]["mean_accepted_length"] = 2.5
     meta_file.write_text(json.dumps(meta))
     assert isinstance(shipped.load_shipped_draft(target), DraftModelProposer)
+
+
+@pytest.mark.slow
+def test_shipped_eagle_draft_is_exact_on_the_default_model(default_model):
+    """The shipped EAGLE head loads for the default model and greedy output is plain greedy's."""
+    from verispec.distill.eagle import EagleProposer
+    from verispec.distill.shipped import SHIPPED, load_proposer
+    from verispec.tokenizers import encode_prompt
+
+    proposer = load_proposer(SHIPPED / "smollm2-135m-eagle", default_model)
+    assert isinstance(proposer, EagleProposer)
+    ids = encode_prompt(default_model.tokenizer, "Name three prime numbers and explain why.", chat=True)
+    plain = speculative_generate(
+        default_model, None, ids, max_new_tokens=32, num_speculative_tokens=0, temperature=0
+    )
+    spec = speculative_generate(
+        default_model, proposer, ids, max_new_tokens=32, num_speculative_tokens=3, temperature=0
+    )
+    assert spec.token_ids == plain.token_ids and spec.stats.accepted_tokens > 0
