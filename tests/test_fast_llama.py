@@ -112,6 +112,27 @@ def test_chunked_prefill_matches_hf(use_kernel: bool) -> None:
     _close(fast.forward(ids, logits="last"), _reference(hf, ids)[:, -1])
 
 
+@requires_kernel
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_short_prefill_in_kernel_pieces_is_bitwise_the_kernel_one_token_at_a_time(dtype: str) -> None:
+    hf = _llama()
+    ids = torch.randint(0, VOCAB, (2, 29), generator=torch.Generator().manual_seed(5))
+    fast = FastLlama.from_hf(hf, max_batch_size=2, dtype=dtype, use_kernel=True)
+    assert fast.kernel_max_tokens < 29 <= fast.kernel_prefill_max[dtype]  # the pieces path
+    fast.record_hidden = True
+    pieces = fast.forward(ids)
+    hidden = fast.last_hidden
+    assert hidden.shape == (2, 29, 64)
+    fast.reset(2)
+    steps = torch.cat([fast.forward(ids[:, t : t + 1]) for t in range(29)], dim=1)
+    assert torch.equal(pieces, steps)
+    fast.reset(2)
+    last = fast.forward(ids, logits="last")
+    assert torch.equal(last, pieces[:, -1])
+    if dtype == "float32":
+        _close(pieces, _reference(hf, ids))
+
+
 @pytest.mark.parametrize("use_kernel", PATHS)
 def test_truncate_then_refeed_gives_fresh_logits(use_kernel: bool) -> None:
     hf = _llama()
