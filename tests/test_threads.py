@@ -69,3 +69,19 @@ def test_follow_uses_the_current_choice_without_learning(monkeypatch) -> None:
     tuner.follow(lambda: seen.append(torch.get_num_threads()))
     assert seen == [1] and torch.get_num_threads() == 2
     assert tuner.choice == 1
+
+
+def test_probes_compare_calls_of_the_same_size(monkeypatch) -> None:
+    # Quiet machine: 2 threads are faster at every size, but a 16-row call costs 4 one-row calls.
+    tuner = ThreadTuner(max_threads=lambda: 2)
+    now = [0.0]
+    monkeypatch.setattr("verispec.models.threads.time.perf_counter", lambda: now[0])
+
+    def call(rows: int) -> None:
+        per_row = {2: 0.028, 1: 0.050}[torch.get_num_threads()]
+        now[0] += per_row * (1 if rows == 1 else 4)
+
+    for i in range(600):
+        rows = 16 if (i // 7) % 2 else 1  # the batch grows and shrinks between calls
+        tuner.run(lambda rows=rows: call(rows), tokens=rows)
+        assert tuner.choice == 2, f"switched to 1 thread at call {i}"

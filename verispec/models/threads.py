@@ -37,7 +37,9 @@ class ThreadTuner:
 
     def __init__(self, max_threads: Callable[[], int] = torch.get_num_threads) -> None:
         self._max_threads = max_threads
-        self._cost: dict[int, float] = {}
+        self._cost: dict[tuple[int, int], float] = {}
+        """Running cost per (threads, call size bucket): a probe is compared like for like, since a
+        batch of 16 rows costs several one-row calls and the batch changes between calls."""
         self._choice: int | None = None
         self._calls = 0
         self._interval = self.first_interval
@@ -78,24 +80,32 @@ class ThreadTuner:
         finally:
             seconds = time.perf_counter() - start
             torch.set_num_threads(top)
-            self.record(threads, seconds / (1 + EXTRA_TOKEN_COST * (max(tokens, 1) - 1)), probe, top)
+            cost = seconds / (1 + EXTRA_TOKEN_COST * (max(tokens, 1) - 1))
+            self.record(threads, cost, probe, top, max(tokens, 1).bit_length())
 
-    def record(self, threads: int, cost: float, probe: bool, top: int) -> None:
-        """Fold one call's normalised cost into ``threads``' running cost; settle a probe.
+    def record(self, threads: int, cost: float, probe: bool, top: int, bucket: int = 1) -> None:
+        """Fold one call's normalised cost into the running cost of ``(threads, bucket)``; settle a
+        probe. ``bucket`` groups calls of similar size (tokens' bit length: 1, 2-3, 4-7, ...).
 
         A probe replaces the probed count's cost: its old figure is from another time and may be from
-        another load on the machine.
+        another load on the machine. A probe in a bucket the current count has no figure for decides
+        nothing.
         """
-        old = self._cost.get(threads)
+        key = (threads, bucket)
+        old = self._cost.get(key)
         if probe or old is None:
-            self._cost[threads] = cost
+            self._cost[key] = cost
         else:
-            self._cost[threads] = (1 - self.smoothing) * old + self.smoothing * cost
+            self._cost[key] = (1 - self.smoothing) * old + self.smoothing * cost
         if not probe:
             return
         current = self.choice
         other = threads
-        if self._cost[other] < self._cost.get(current, float("inf")):
+        mine = self._cost.get((current, bucket))
+        if mine is None:
+            self._next_probe = self._calls + self.first_interval
+            return
+        if cost < mine:
             self._choice = other
             self._interval = self.first_interval
         else:
