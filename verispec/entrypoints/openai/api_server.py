@@ -18,6 +18,7 @@ import hmac
 import json
 import logging
 import sys
+import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -79,8 +80,9 @@ class ServerState:
     """The model has a chat template."""
 
 
-def build_state(args: argparse.Namespace) -> ServerState:
-    """Load target and drafter and start the engine thread."""
+def build_state(args: argparse.Namespace, start: bool = True) -> ServerState:
+    """Load target and drafter and start the engine thread (``start=False``: the caller runs
+    ``scheduler.run_here()`` in the thread that loaded the models, see ``run``)."""
     from verispec.adaptive import adapt_k
     from verispec.commands.drafters import build_proposer
     from verispec.engine import Engine
@@ -101,7 +103,8 @@ def build_state(args: argparse.Namespace) -> ServerState:
     name = args.served_model_name or args.model
     policy = BatchPolicy.parse(args.batch_policy) if args.batch_policy else BatchPolicy()
     scheduler = Scheduler(engine, args.max_num_seqs, ServerMetrics(name), policy)
-    scheduler.start()
+    if start:
+        scheduler.start()
     return ServerState(scheduler=scheduler, tokenizer=tok, served_model_name=name,
                        max_model_len=int(target.max_length), default_k=args.num_speculative_tokens,
                        api_key=args.api_key, max_request_bytes=args.max_request_bytes,
@@ -194,7 +197,7 @@ def build_app(state: ServerState):
         except ConfigError as exc:
             raise APIError(400, str(exc), param="prompt") from None
         loop = asyncio.get_running_loop()
-        sreq = ServerRequest(seq=seq, loop=loop, queue=asyncio.Queue(), k=seq.k)
+        sreq = ServerRequest(seq=seq, loop=loop, queue=asyncio.Queue(), k=seq.k, stream=p.stream)
         state.scheduler.submit(sreq)
         rid = new_id("chatcmpl" if chat else "cmpl")
         if p.stream:
@@ -379,7 +382,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(str(exc)) from None
     check_model_arguments(args)
     logging.getLogger("verispec").setLevel(args.log_level.upper())
-    state = build_state(args)
+    state = _load_in_engine_thread(args)
     app = build_app(state)
     log.warning("serving %s on http://%s:%d/v1", state.served_model_name, args.host, args.port)
     try:
@@ -388,6 +391,30 @@ def run(args: argparse.Namespace) -> int:
     finally:
         state.scheduler.stop()
     return 0
+
+
+def _load_in_engine_thread(args: argparse.Namespace) -> ServerState:
+    """Load the models in a new thread that then runs the engine loop, so loading and decoding share
+    one team of kernel threads (see ``Scheduler.run_here``); load errors are raised here."""
+    box: dict[str, Any] = {}
+    ready = threading.Event()
+
+    def engine_main() -> None:
+        try:
+            box["state"] = build_state(args, start=False)
+            box["state"].scheduler.bind_to_current_thread()
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which raises it
+            box["error"] = exc
+            return
+        finally:
+            ready.set()
+        box["state"].scheduler.run_here()
+
+    threading.Thread(target=engine_main, name="verispec-engine", daemon=True).start()
+    ready.wait()
+    if "error" in box:
+        raise box["error"]
+    return box["state"]
 
 
 def main(argv: list[str] | None = None) -> int:
