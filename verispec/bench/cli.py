@@ -172,8 +172,15 @@ def _load_targets(args: argparse.Namespace, dtypes: list[str]) -> dict[str, obje
     return targets
 
 
-def _draft(args: argparse.Namespace, target, notes: list[str]) -> DraftModelProposer | None:
+def _draft_kv(draft):
+    """The draft's own cached model, for a draft-model or an EAGLE proposer."""
+    return draft.model if isinstance(draft, DraftModelProposer) else draft.draft
+
+
+def _draft(args: argparse.Namespace, target, notes: list[str]):
+    """The proposer behind the draft-model rows: a :class:`DraftModelProposer` or an EAGLE head."""
     from verispec.commands.drafters import build_proposer, shipped_draft_for
+    from verispec.distill.eagle import EagleProposer
 
     if args.draft_model in (None, "default"):
         proposer = shipped_draft_for(target)
@@ -185,7 +192,7 @@ def _draft(args: argparse.Namespace, target, notes: list[str]) -> DraftModelProp
             return None
     else:
         proposer = build_proposer(target, args.draft_model, False, backend=args.backend)
-    if isinstance(proposer, PromptLookup) or not isinstance(proposer, DraftModelProposer):
+    if not isinstance(proposer, (DraftModelProposer, EagleProposer)):
         notes.append("the draft resolved to no draft model: draft-model and hf-assisted skipped")
         return None
     return proposer
@@ -221,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
         draft = _draft(args, main, notes)
         if draft is None:
             methods = [m for m in methods if m not in ("draft-model", "hf-assisted")]
-        elif "hf-assisted" in methods and getattr(draft.model, "hf_model", None) is None:
+        elif "hf-assisted" in methods and getattr(_draft_kv(draft), "hf_model", None) is None:
             notes.append("the draft is no transformers model (a distilled draft): hf-assisted skipped")
             methods.remove("hf-assisted")
     llama = None
@@ -250,15 +257,23 @@ def run(args: argparse.Namespace) -> int:
     configs = build_configs(methods, ks, dtypes, args.adaptive)
     req = Sampling(args.max_new_tokens, sampling, args.seed)
     hf = HFPeer(
-        main.hf_model, list(main.eos_token_ids), getattr(getattr(draft, "model", None), "hf_model", None)
+        main.hf_model,
+        list(main.eos_token_ids),
+        None if draft is None else getattr(_draft_kv(draft), "hf_model", None),
     )
     lookup = PromptLookup()
     proposers = {}
     for d in targets:
-        if draft is not None:
+        if isinstance(draft, DraftModelProposer):
             proposers[("draft-model", d, False)] = DraftModelProposer(draft.model)
             proposers[("draft-model", d, True)] = DraftModelProposer(
                 draft.model, confidence_threshold=args.confidence_threshold
+            )
+        elif draft is not None:  # an EAGLE head reads the hidden states of the target it drafts for
+            from verispec.distill.eagle import EagleProposer
+
+            proposers[("draft-model", d, False)] = proposers[("draft-model", d, True)] = EagleProposer(
+                targets[d], draft.draft
             )
         proposers[("prompt-lookup", d, False)] = proposers[("prompt-lookup", d, True)] = lookup
 
@@ -281,14 +296,14 @@ def run(args: argparse.Namespace) -> int:
     for d, t in targets.items():
         step = forward_seconds(t, [1])[1]
         draft_cost[("prompt-lookup", d)] = lookup_seconds(lookup) / step
-        if draft is not None:
+        if isinstance(draft, DraftModelProposer):
             draft_cost[("draft-model", d)] = forward_seconds(draft.model, [1])[1] / step
 
     def predict(cfg: MethodConfig, stats: GenerationStats) -> float | None:
         if cfg.method not in OURS or cfg.adaptive:
             return None
         v = costs[cfg.dtype].get(cfg.k + 1)
-        if v is None:
+        if v is None or (cfg.method, cfg.dtype) not in draft_cost:  # (an EAGLE head's cost: not timed)
             return None
         return predicted_speedup(
             conditional_acceptance(stats),
