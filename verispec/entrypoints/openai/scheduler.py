@@ -82,9 +82,11 @@ class BatchPolicy:
     draft at most ``k_cap`` tokens; batches larger than the last entry do not speculate.
     """
 
-    limits: tuple[tuple[int, int], ...] = ((1, 64), (2, 1))
-    """Measured on SmolLM2-135M with prompt lookup on 2 CPU cores: k = 1..4 gave 1.5-2.2x at batch 1 and
-    0.25-0.67x at batch 4; batch 2 was not measured and gets k <= 1 (see ``benchmarks/SERVER.md``)."""
+    limits: tuple[tuple[int, int], ...] = ((1, 64),)
+    """Measured on SmolLM2-135M with prompt lookup on 2 quiet CPU cores (``benchmarks/SERVER.md``):
+    k = 1..4 gave 1.04-1.09x at batch 1, 0.97 / 0.98 / 0.80x at batch 2 and at most 0.78x from batch
+    4 up, so only a sequence running alone speculates. A draft with higher acceptance moves the
+    crossover: ``--batch-policy 2:2,4:1`` and the like."""
 
     def cap(self, batch: int) -> int:
         """The largest draft length allowed for a batch of ``batch`` sequences."""
