@@ -51,6 +51,20 @@ class Proposer(Protocol):
         """Propose up to ``num_tokens[i]`` (``[B]`` int64) tokens after ``committed[i]`` for ``slots[i]``."""
 
 
+def draw(
+    logits: torch.Tensor, params: SamplingTensors, generators: Sequence[torch.Generator | None]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One draft token per row from ``logits`` ``[B, V]``: ``(tokens [B], probs [B, V] or None)``.
+
+    Greedy rows take the argmax and need no distribution (greedy verification compares tokens only);
+    otherwise the token is drawn from the same ``logits_to_probs`` the target's verification uses.
+    """
+    if params.all_greedy:
+        return logits.argmax(dim=-1), None
+    probs = logits_to_probs(logits, params)  # [B, V]
+    return inverse_cdf(probs, uniforms(generators, 1, probs.dtype)[:, 0].to(probs.device)), probs
+
+
 def _empty(batch: int) -> Proposal:
     return Proposal(
         tokens=torch.zeros(batch, 0, dtype=torch.int64),
@@ -111,13 +125,9 @@ class DraftModelProposer:
         probs_out: list[torch.Tensor] = []
         num_draft = num_tokens.clone()
         for i in range(k):
-            if params.all_greedy:
-                # Greedy verification only compares tokens: skip building one-hot distributions.
-                tok = logits.argmax(dim=-1)
+            tok, probs = draw(logits, params, generators)
+            if probs is None:  # greedy: only the confidence check below needs a distribution
                 probs = torch.softmax(logits, dim=-1) if self.confidence_threshold > 0 else logits
-            else:
-                probs = logits_to_probs(logits, params)  # [B, V]
-                tok = inverse_cdf(probs, uniforms(generators, 1, probs.dtype)[:, 0].to(probs.device))
             tokens[:, i] = tok.cpu()
             probs_out.append(probs)
             if self.confidence_threshold > 0:

@@ -41,9 +41,8 @@ import torch.nn.functional as F
 
 from verispec.config import ConfigError
 from verispec.distill.model import DraftKV, DraftLM
-from verispec.proposers import Proposal, _empty
-from verispec.rejection import inverse_cdf, uniforms
-from verispec.sampling import SamplingTensors, logits_to_probs
+from verispec.proposers import Proposal, _empty, draw
+from verispec.sampling import SamplingTensors
 
 
 class EagleProposer:
@@ -114,11 +113,8 @@ class EagleProposer:
         steps = int(num_draft.max())
         for i in range(steps):
             logits = self.draft.logits(feats)  # [B, V]
-            if params.all_greedy:
-                tok = logits.argmax(dim=-1)
-            else:
-                probs = logits_to_probs(logits, params)  # [B, V]
-                tok = inverse_cdf(probs, uniforms(generators, 1, probs.dtype)[:, 0].to(probs.device))
+            tok, probs = draw(logits, params, generators)
+            if probs is not None:
                 probs_out.append(probs)
             tokens[:, i] = tok.cpu()
             if i + 1 == steps:
