@@ -44,6 +44,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -386,9 +387,11 @@ class FastLlama:
         if self._kernel is not None and T <= self.kernel_max_tokens:
             out = self._forward_kernel(ids, idx, starts, logits)
         elif self._kernel is not None and T <= self.kernel_prefill_max.get(self.dtype, 0):
-            out = self._forward_kernel_pieces(ids, idx, starts, logits)
+            out = self._in_pieces(self._forward_kernel, self.kernel_max_tokens, ids, idx, starts, logits)
         else:
-            out = self._threads.follow(lambda: self._forward_chunked(ids, idx, starts, logits))
+            out = self._threads.follow(
+                lambda: self._in_pieces(self._forward_torch, self.prefill_chunk, ids, idx, starts, logits)
+            )
         if self._record_hidden and self.last_hidden is not None:
             for i, (row, start) in enumerate(zip(idx.tolist(), starts.tolist())):
                 self.hidden_by_row[row] = (start, self.last_hidden[i])
@@ -435,41 +438,29 @@ class FastLlama:
             return None
         return out.view(n, T, -1) if logits == "all" else out
 
-    def _forward_kernel_pieces(
-        self, ids: torch.Tensor, idx: torch.Tensor, starts: torch.Tensor, logits: LogitsMode
+    def _in_pieces(
+        self,
+        forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, LogitsMode], torch.Tensor | None],
+        size: int,
+        ids: torch.Tensor,
+        idx: torch.Tensor,
+        starts: torch.Tensor,
+        logits: LogitsMode,
     ) -> torch.Tensor | None:
-        """``ids`` ``[n, T]`` in kernel calls of ``kernel_max_tokens`` tokens; outputs concatenated."""
-        step = self.kernel_max_tokens
+        """``forward`` over ``ids`` ``[n, T]`` in pieces of ``size`` tokens (lengths are advanced by
+        the caller); logits and recorded hidden states are concatenated over the pieces."""
         T = ids.shape[1]
         pieces, hidden = [], []
-        for c0 in range(0, T, step):
-            c1 = min(T, c0 + step)
+        for c0 in range(0, T, size):
+            c1 = min(T, c0 + size)
             mode: LogitsMode = logits if (logits == "all" or c1 == T) else "none"
-            out = self._forward_kernel(ids[:, c0:c1], idx, starts + c0, mode)
+            out = forward(ids[:, c0:c1], idx, starts + c0, mode)
             if out is not None:
                 pieces.append(out)
             if self._record_hidden:
                 hidden.append(self.last_hidden)
         if self._record_hidden:
-            self.last_hidden = torch.cat(hidden, dim=1)  # [n, T, hidden]
-        if logits == "none":
-            return None
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
-
-    def _forward_chunked(
-        self, ids: torch.Tensor, idx: torch.Tensor, starts: torch.Tensor, logits: LogitsMode
-    ) -> torch.Tensor | None:
-        """Torch path, ``prefill_chunk`` tokens at a time; lengths are advanced by the caller."""
-        T = ids.shape[1]
-        pieces, hidden = [], []
-        for c0 in range(0, T, self.prefill_chunk):
-            c1 = min(T, c0 + self.prefill_chunk)
-            mode: LogitsMode = logits if (logits == "all" or c1 == T) else "none"
-            out = self._forward_torch(ids[:, c0:c1].to(self.device), idx, starts + c0, mode, hidden)
-            if out is not None:
-                pieces.append(out)
-        if self._record_hidden:
-            self.last_hidden = torch.cat(hidden, dim=1).float().cpu()
+            self.last_hidden = hidden[0] if len(hidden) == 1 else torch.cat(hidden, dim=1)  # [n, T, hidden]
         if logits == "none":
             return None
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
@@ -480,11 +471,10 @@ class FastLlama:
         idx: torch.Tensor,
         starts: torch.Tensor,
         logits: LogitsMode,
-        hidden: list[torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
         """Matmul + SDPA forward of ``ids`` ``[n, T]`` at positions ``starts[i] + t``.
 
-        With ``record_hidden``, appends the final residual stream ``[n, T, hidden]`` to ``hidden``.
+        With ``record_hidden``, keeps the final residual stream ``[n, T, hidden]`` in ``last_hidden``.
         """
         w = self._w
         n, T = ids.shape
@@ -522,8 +512,8 @@ class FastLlama:
             h = _rms_norm(x, layer["post_norm"], self._eps)
             gate, up = _linear(h, layer["wgu"], scale=layer["wgu_scale"]).chunk(2, dim=-1)  # [n, T, I] each
             x = x + _linear(F.silu(gate) * up, layer["wdown"], scale=layer["wdown_scale"])
-        if self._record_hidden and hidden is not None:
-            hidden.append(x)
+        if self._record_hidden:
+            self.last_hidden = x.float().cpu()  # [n, T, hidden]
         if logits == "none":
             return None
         if logits == "last":
