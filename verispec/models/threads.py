@@ -48,14 +48,16 @@ class ThreadTuner:
     @property
     def choice(self) -> int:
         """The thread count calls run on now."""
-        top = max(1, self._max_threads())
+        return self._choice_for(max(1, self._max_threads()))
+
+    def _choice_for(self, top: int) -> int:
         return top if self._choice is None or self._choice > top else self._choice
 
     def follow(self, fn: Callable[[], R]) -> R:
         """Call ``fn`` on the current choice without measuring it (calls of another cost scale, such
         as long prefills, which are too rare to learn from but collapse just as badly)."""
         top = max(1, self._max_threads())
-        threads = self.choice
+        threads = self._choice_for(top)
         if threads == top:
             return fn()
         torch.set_num_threads(threads)
@@ -70,16 +72,18 @@ class ThreadTuner:
         if top == 1:
             return fn()
         self._calls += 1
-        current = self.choice
+        current = self._choice_for(top)
         probe = self._calls >= self._next_probe
         threads = (1 if current != 1 else top) if probe else current
-        torch.set_num_threads(threads)
+        if threads != top:
+            torch.set_num_threads(threads)
         start = time.perf_counter()
         try:
             return fn()
         finally:
             seconds = time.perf_counter() - start
-            torch.set_num_threads(top)
+            if threads != top:
+                torch.set_num_threads(top)
             cost = seconds / (1 + EXTRA_TOKEN_COST * (max(tokens, 1) - 1))
             self.record(threads, cost, probe, top, max(tokens, 1).bit_length())
 
@@ -99,7 +103,7 @@ class ThreadTuner:
             self._cost[key] = (1 - self.smoothing) * old + self.smoothing * cost
         if not probe:
             return
-        current = self.choice
+        current = self._choice_for(top)
         other = threads
         mine = self._cost.get((current, bucket))
         if mine is None:
