@@ -80,9 +80,9 @@ class ServerState:
     """The model has a chat template."""
 
 
-def build_state(args: argparse.Namespace, start: bool = True) -> ServerState:
-    """Load target and drafter and start the engine thread (``start=False``: the caller runs
-    ``scheduler.run_here()`` in the thread that loaded the models, see ``run``)."""
+def build_state(args: argparse.Namespace) -> ServerState:
+    """Load target and drafter; the caller runs ``scheduler.run_here()`` in the thread that loaded
+    them (see ``_load_in_engine_thread``)."""
     from verispec.adaptive import adapt_k
     from verispec.commands.drafters import build_proposer
     from verispec.engine import Engine
@@ -103,8 +103,6 @@ def build_state(args: argparse.Namespace, start: bool = True) -> ServerState:
     name = args.served_model_name or args.model
     policy = BatchPolicy.parse(args.batch_policy) if args.batch_policy else BatchPolicy()
     scheduler = Scheduler(engine, args.max_num_seqs, ServerMetrics(name), policy)
-    if start:
-        scheduler.start()
     return ServerState(scheduler=scheduler, tokenizer=tok, served_model_name=name,
                        max_model_len=int(target.max_length), default_k=args.num_speculative_tokens,
                        api_key=args.api_key, max_request_bytes=args.max_request_bytes,
@@ -401,7 +399,7 @@ def _load_in_engine_thread(args: argparse.Namespace) -> ServerState:
 
     def engine_main() -> None:
         try:
-            box["state"] = build_state(args, start=False)
+            box["state"] = build_state(args)
             box["state"].scheduler.bind_to_current_thread()
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which raises it
             box["error"] = exc
