@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from verispec.models.threads import ThreadTuner
+
+
+@pytest.fixture(autouse=True)
+def two_threads():
+    """The tuners below are told the process runs 2 threads: make it so, whatever earlier tests set."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
 
 
 class FakeClock:
