@@ -12,16 +12,16 @@ from verispec.sampling import SamplingTensors
 
 def test_lookup_continues_the_longest_earlier_match() -> None:
     pl = PromptLookup()
-    # "1 2 3" recurs at the end: the match is 3 long, so up to 6 tokens may follow, capped by k.
+    # "1 2 3" recurs at the end: the match is 3 long; what followed it is proposed, up to k.
     assert pl.match([1, 2, 3, 9, 8, 1, 2, 3]) == (3, 3)
     assert pl.lookup([1, 2, 3, 9, 8, 1, 2, 3], 4) == [9, 8, 1, 2]
     # The longest match wins over a more recent shorter one: "5 2" twice, "7 5 2" once earlier.
-    assert pl.lookup([7, 5, 2, 4, 4, 3, 5, 2, 6, 0, 7, 5, 2], 8) == [4, 4, 3, 5, 2, 6]
+    assert pl.lookup([7, 5, 2, 4, 4, 3, 5, 2, 6, 0, 7, 5, 2], 8) == [4, 4, 3, 5, 2, 6, 0, 7]
     # Among equally long matches the most recent one wins.
     assert pl.lookup([1, 2, 5, 1, 2, 6, 1, 2], 1) == [6]
 
 
-def test_draft_length_grows_with_the_match() -> None:
+def test_fixed_rule_caps_the_draft_by_the_match() -> None:
     pl = PromptLookup(tokens_per_match=2)
     one = [4, 9, 9, 9, 9, 9, 1, 4]  # only the last token recurs: 2 tokens may follow
     assert pl.lookup(one, 8) == [9, 9]
@@ -45,7 +45,17 @@ def test_propose_pads_rows_and_reports_lengths() -> None:
     assert prop.tokens.tolist() == [[3, 1, 2], [0, 0, 0]]
 
 
-@pytest.mark.parametrize("bad", [dict(min_ngram=0), dict(max_ngram=2, min_ngram=3), dict(tokens_per_match=0)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(min_ngram=0),
+        dict(max_ngram=2, min_ngram=3),
+        dict(tokens_per_match=0),
+        dict(prior=(0.5,)),
+        dict(prior=(1.5,) * 8),
+        dict(prior_weight=0),
+    ],
+)
 def test_bad_settings_are_refused(bad: dict) -> None:
     with pytest.raises(ValueError):
         PromptLookup(**bad)

@@ -1,7 +1,9 @@
 """The speculative decoding loop: propose, verify in one target pass, accept, roll back.
 
-Each step, for every active sequence: the proposer drafts up to k tokens; the target scores the pending
-token and the drafts in one forward pass (``[B, k + 1]``); :func:`~verispec.rejection.rejection_sample`
+Each step, for every active sequence: the proposer drafts up to k tokens (a drafter that estimates
+each token's chance of acceptance has its draft cut to the length worth the target's measured cost of
+verifying it, see :mod:`verispec.costs`); the target scores the pending token and the drafts in one
+forward pass (``[B, k + 1]``); :func:`~verispec.rejection.rejection_sample`
 decides what is emitted; both caches are rolled back to the committed tokens. With k = 0 (or a drafter
 that finds nothing) a step is one plain autoregressive step of the same engine, which is the baseline
 every speedup is measured against.
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from verispec.config import ConfigError, GenerationConfig
+from verispec.costs import StepCosts, best_draft_length, costs_for, prior_ratios
 from verispec.models.base import KVModel
 from verispec.proposers import Proposal, Proposer
 from verispec.rejection import greedy_verify, rejection_sample
@@ -83,6 +86,7 @@ class Engine:
         eos_token_ids: Sequence[int] = (),
         decode: Callable[[list[int]], str] | None = None,
         adaptive: Callable[[SequenceState, int, int], int] | None = None,
+        costs: StepCosts | None = None,
     ):
         self.target = target
         self.proposer = proposer
@@ -90,6 +94,8 @@ class Engine:
         self.decode = decode
         self.adaptive = adaptive
         """Given (sequence, drafted, accepted) after a step, return the sequence's next k."""
+        self.costs = costs if costs is not None else costs_for(target)
+        """Measured cost of a step by width (kept per target, so it outlives this engine)."""
 
     def new_sequence(self, prompt: Sequence[int], config: GenerationConfig) -> SequenceState:
         """Validate a prompt against the target and make its state (not yet in a slot)."""
@@ -148,6 +154,7 @@ class Engine:
         if self.proposer is not None and int(ks.max()) > 0:
             proposal, num_draft = self._propose(seqs, ks, params)
         width = int(num_draft.max())
+        start = time.perf_counter()
         pending = torch.tensor([[s.tokens[-1]] for s in seqs])  # [B, 1]
         if width:
             draft_tokens = proposal.tokens[:, :width]  # [B, width]
@@ -177,6 +184,7 @@ class Engine:
                 seq.k = self.adaptive(seq, int(num_draft[row]), accepted)
             events.append(StepEvent(seq=seq, token_ids=emitted, from_draft=flags))
         self.target.truncate(torch.tensor(keep_lengths), rows=slots)
+        self.costs.record(len(seqs), width + 1, time.perf_counter() - start)
         return events
 
     def _propose(
@@ -200,8 +208,11 @@ class Engine:
             params.select(rows),
             [seqs[i].generator for i in rows],
         )
+        sub_num = torch.minimum(sub.num_draft, ks[rows])
+        if sub.accept_probs is not None:
+            sub_num = self._worth_verifying([seqs[i] for i in rows], sub.accept_probs, sub_num, len(seqs))
         if len(rows) == len(seqs):
-            return sub, torch.minimum(sub.num_draft, ks)
+            return sub, sub_num
         index = torch.tensor(rows)
         tokens = torch.zeros(len(seqs), sub.tokens.shape[1], dtype=torch.int64)
         tokens[index] = sub.tokens
@@ -210,8 +221,32 @@ class Engine:
             probs = sub.probs.new_zeros(len(seqs), *sub.probs.shape[1:])
             probs[index] = sub.probs
         num_draft = torch.zeros(len(seqs), dtype=torch.int64)
-        num_draft[index] = torch.minimum(sub.num_draft, ks[index])
+        num_draft[index] = sub_num
         return Proposal(tokens=tokens, probs=probs, num_draft=num_draft), num_draft
+
+    def _worth_verifying(
+        self, seqs: list[SequenceState], accept_probs: torch.Tensor, num_draft: torch.Tensor, batch: int
+    ) -> torch.Tensor:
+        """Cut each row's draft (``accept_probs`` ``[n, k]``, ``num_draft`` ``[n]``) to the length
+        with the most expected tokens per unit of this target's measured step cost; 0 where no draft
+        pays for its verification.
+
+        A sampled request with a seed is cut by the prior cost curve instead: measured times differ
+        from run to run, and a different draft length consumes its random numbers differently, so
+        only a cut that does not depend on the clock lets the seed reproduce the response.
+        """
+        widest = int(num_draft.max()) if len(num_draft) else 0
+        if widest == 0:
+            return num_draft
+        measured = self.costs.ratios(widest + 1, batch)
+        prior = prior_ratios(widest + 1)
+        out = num_draft.clone()
+        for row, seq in enumerate(seqs):
+            n = int(num_draft[row])
+            if n:
+                fixed = seq.config.seed is not None and not seq.config.sampling.greedy
+                out[row] = best_draft_length(accept_probs[row, :n].tolist(), prior if fixed else measured)
+        return out
 
     def _commit(
         self, seq: SequenceState, emitted: list[int], flags: list[bool]

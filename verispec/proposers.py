@@ -7,7 +7,9 @@ asks which proposer it holds.
 - :class:`DraftModelProposer`: a smaller model sharing the target's tokenizer (Leviathan et al., 2023),
   with its own KV cache, rolled back to the committed tokens before each proposal.
 - :class:`PromptLookup`: continue the longest recent n-gram that occurred earlier in the prompt or
-  output (Saxena, 2023, "Prompt Lookup Decoding"); no second model.
+  output (Saxena, 2023, "Prompt Lookup Decoding"); no second model. It estimates each copied token's
+  chance of acceptance from the match length, learned per sequence from a measured prior, so the
+  engine drafts only what pays for its verification.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ class Proposal:
     tokens: torch.Tensor  # [B, k] int64; slots past num_draft hold 0
     probs: torch.Tensor | None  # [B, k, V] distributions the tokens were drawn from; None = point mass
     num_draft: torch.Tensor  # [B] int64, real drafts per row (<= k)
+    accept_probs: torch.Tensor | None = None
+    """[B, k] float: the drafter's estimate that token i is accepted given that tokens 0..i-1 were;
+    None = no estimate. With one, the engine cuts each row's draft to the length worth verifying at
+    the measured cost (:func:`verispec.costs.best_draft_length`)."""
 
 
 @runtime_checkable
@@ -182,33 +188,94 @@ class DraftModelProposer:
         return torch.stack(out)  # type: ignore[arg-type]
 
 
+LOOKUP_BUCKETS = (1, 2, 3, 4, 6, 10, 16, 32)
+"""Match lengths at which prompt lookup's acceptance estimate changes (lower bounds of the buckets)."""
+
+LOOKUP_ACCEPTANCE_PRIOR = (0.19, 0.46, 0.60, 0.70, 0.79, 0.85, 0.95, 0.95)
+"""Chance that the next copied token is accepted, per bucket of the current match length (a match
+continued i times counts as i tokens longer). Measured with SmolLM2-135M, greedy, float32, 64 new
+tokens, on held-out Spec-Bench prompts (questions 6 and 7 of each of the 13 categories; the benchmark
+uses the first ones): ``python benchmarks/lookup_acceptance.py --skip 5 --per-category 2`` gave
+0.19 (496 copied tokens seen), 0.46 (246), 0.60 (195), 0.70 (315), 0.79 (472), 0.85 (356), 0.98 (753)
+and 0.94 (1486); the last two, mostly a few long copies in extraction and translation, are pooled."""
+
+
+def lookup_bucket(length: int) -> int:
+    """Index of the :data:`LOOKUP_BUCKETS` bucket holding match length ``length`` (>= 1)."""
+    return int(np.searchsorted(LOOKUP_BUCKETS, length, side="right")) - 1
+
+
 class PromptLookup:
     """n-gram prompt lookup: find the earlier occurrence of the longest suffix of the sequence (the
     most recent one among equally long matches) and propose the tokens that followed it.
 
-    The draft length grows with the match: ``tokens_per_match`` tokens per matched token, capped by
-    the k the engine asks for. A long match predicts a long copy; a one-token match (a common word)
-    rarely predicts more than a token or two. Measured on SmolLM2-135M over held-out Spec-Bench
-    prompts (greedy), the first draft token was accepted after 20% of 1-token matches, 50-58% of 2-3
-    token matches, 78% of 6-9 and 92% of 10+; a fixed k either wastes verification on short matches
-    or stops long copies early. Rows with no match (or a match shorter than ``min_ngram``) propose
-    nothing, so the step costs what plain decoding costs.
+    How far to copy is the engine's call, made from measured costs: each proposed token comes with
+    the chance it is accepted (``Proposal.accept_probs``), which grows with the match. A match of m
+    tokens continued i times is m + i long, so copied token i gets the acceptance of match length
+    m + i. That acceptance starts from :data:`LOOKUP_ACCEPTANCE_PRIOR` (a one-token match, a common
+    word, is continued about a fifth of the time; a ten-token one nearly always) and is learned per
+    sequence: at each proposal the tokens committed since the previous one show how far that copy
+    held, as verification decided (or, past the verified drafts, as the target's own next token did).
+    Counted as ``prior_weight`` observations, the prior gives way once a sequence has shown its own
+    rate. Rows with no match (or one shorter than ``min_ngram``) propose nothing, so the step costs
+    what plain decoding costs.
     """
 
-    def __init__(self, max_ngram: int = 64, min_ngram: int = 1, tokens_per_match: int = 2):
+    def __init__(
+        self,
+        max_ngram: int = 64,
+        min_ngram: int = 1,
+        tokens_per_match: int | None = None,
+        prior: Sequence[float] = LOOKUP_ACCEPTANCE_PRIOR,
+        prior_weight: float = 4.0,
+    ):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
-        if tokens_per_match < 1:
+        if tokens_per_match is not None and tokens_per_match < 1:
             raise ValueError("tokens_per_match must be >= 1")
+        if len(prior) != len(LOOKUP_BUCKETS) or not all(0.0 <= p <= 1.0 for p in prior):
+            raise ValueError(f"prior needs {len(LOOKUP_BUCKETS)} probabilities, one per match-length bucket")
+        if prior_weight <= 0:
+            raise ValueError("prior_weight must be > 0")
         self.max_ngram = max_ngram
         """Longest match searched for (longer matches count as this long)."""
         self.min_ngram = min_ngram
         """Shortest match worth proposing from."""
         self.tokens_per_match = tokens_per_match
-        """Draft tokens per matched token, before the cap of k."""
+        """If set, at most this many draft tokens per matched token (a fixed rule; None: as many as k)."""
+        self.prior = tuple(float(p) for p in prior)
+        self.prior_weight = float(prior_weight)
+        self._counts: dict[int, np.ndarray] = {}
+        """Per slot, ``[buckets, 2]``: copied tokens accepted and observed, by match-length bucket."""
+        self._last: dict[int, tuple[int, int, list[int]]] = {}
+        """Per slot, the previous proposal: (tokens committed then, match length, tokens proposed)."""
 
     def start(self, slot: int, tokens: Sequence[int]) -> None:
-        """Stateless: nothing to prepare."""
+        """A new sequence: forget what the slot's previous one taught."""
+        self._counts[slot] = np.zeros((len(LOOKUP_BUCKETS), 2))
+        self._last.pop(slot, None)
+
+    def acceptance(self, slot: int, length: int) -> float:
+        """Estimated chance that the token copied after a match of ``length`` tokens is accepted."""
+        b = lookup_bucket(length)
+        counts = self._counts.get(slot)
+        ok, seen = (0.0, 0.0) if counts is None else counts[b]
+        return (self.prior[b] * self.prior_weight + ok) / (self.prior_weight + seen)
+
+    def _learn(self, slot: int, toks: Sequence[int]) -> None:
+        """Score the slot's previous proposal against the tokens committed since."""
+        last = self._last.pop(slot, None)
+        counts = self._counts.get(slot)
+        if last is None or counts is None:
+            return
+        at, length, draft = last
+        new = toks[at : at + len(draft)]
+        for i, (proposed, got) in enumerate(zip(draft, new)):
+            b = lookup_bucket(length + i)
+            counts[b, 1] += 1
+            if proposed != got:
+                break
+            counts[b, 0] += 1
 
     def propose(
         self,
@@ -218,18 +285,32 @@ class PromptLookup:
         params: SamplingTensors,
         generators: Sequence[torch.Generator | None],
     ) -> Proposal:
-        """Point-mass proposals copied from earlier in each row's own tokens."""
+        """Point-mass proposals copied from earlier in each row's own tokens, with their estimated
+        chances of acceptance."""
         batch = len(slots)
         k = int(num_tokens.max()) if batch else 0
         if k == 0:
             return _empty(batch)
         tokens = torch.zeros(batch, k, dtype=torch.int64)
+        accept = torch.zeros(batch, k)
         num_draft = torch.zeros(batch, dtype=torch.int64)
-        for row, toks in enumerate(committed):
-            found = self.lookup(toks, int(num_tokens[row]))
+        for row, (slot, toks) in enumerate(zip(slots, committed)):
+            self._learn(slot, toks)
+            a = np.asarray(toks, dtype=np.int64)
+            start, length = self.match(a)
+            if length < self.min_ngram:
+                continue
+            found = a[start : start + self._cap(length, int(num_tokens[row]))].tolist()
             tokens[row, : len(found)] = torch.tensor(found, dtype=torch.int64)
+            accept[row, : len(found)] = torch.tensor(
+                [self.acceptance(slot, length + i) for i in range(len(found))]
+            )
             num_draft[row] = len(found)
-        return Proposal(tokens=tokens, probs=None, num_draft=num_draft)
+            self._last[slot] = (len(toks), length, found)
+        return Proposal(tokens=tokens, probs=None, num_draft=num_draft, accept_probs=accept)
+
+    def _cap(self, length: int, k: int) -> int:
+        return k if self.tokens_per_match is None else min(k, self.tokens_per_match * length)
 
     def match(self, seq: Sequence[int] | np.ndarray) -> tuple[int, int]:
         """``(start, length)``: the longest suffix of ``seq`` ``[N]`` that also occurs earlier
@@ -254,11 +335,11 @@ class PromptLookup:
         return int(ends[-1]) + 1, length
 
     def lookup(self, seq: Sequence[int] | torch.Tensor, k: int) -> list[int]:
-        """Up to ``min(k, tokens_per_match * match length)`` tokens that followed the match of
-        ``seq``'s longest recurring suffix; empty when the match is shorter than ``min_ngram``.
+        """Up to k tokens (fewer with ``tokens_per_match``) that followed the match of ``seq``'s
+        longest recurring suffix; empty when the match is shorter than ``min_ngram``.
         """
         a = seq.numpy() if isinstance(seq, torch.Tensor) else np.asarray(seq, dtype=np.int64)
         start, length = self.match(a)
         if length < self.min_ngram:
             return []
-        return a[start : start + min(k, self.tokens_per_match * length)].tolist()
+        return a[start : start + self._cap(length, k)].tolist()

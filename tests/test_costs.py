@@ -1,0 +1,174 @@
+"""Cost-aware draft length: measured step costs, the length rule, and prompt lookup learning its
+acceptance, alone and through the engine (whose greedy output must not change)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verispec.config import GenerationConfig, SamplingConfig
+from verispec.costs import PRIOR_EXTRA_TOKEN_COST, StepCosts, best_draft_length, costs_for
+from verispec.engine import Engine
+from verispec.models.toy import LogitsModel
+from verispec.proposers import LOOKUP_ACCEPTANCE_PRIOR, PromptLookup
+from verispec.sampling import SamplingTensors
+
+V = 32
+
+
+class FixedCosts(StepCosts):
+    """A step of w tokens costs ``1 + per_token * (w - 1)``; records nothing."""
+
+    def __init__(self, per_token: float):
+        super().__init__()
+        self.per_token = per_token
+
+    def record(self, batch: int, width: int, seconds: float) -> None:
+        pass
+
+    def ratio(self, width: int, batch: int = 1) -> float:
+        return 1.0 + self.per_token * max(width - 1, 0)
+
+
+class Scrambled:
+    """Greedy next token: a hash of the token and its position, so copies from earlier rarely hold."""
+
+    vocab_size = V
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        nxt = (ids * 7 + torch.arange(len(ids)) ** 2 * 5 + 1) % V
+        out = torch.full((len(ids), V), -20.0)
+        out[torch.arange(len(ids)), nxt] = 20.0
+        return out
+
+
+class Successor:
+    """Greedy next token = ``(token * step + 1) % V``, from +20/-20 logits."""
+
+    def __init__(self, step: int):
+        self.vocab_size = V
+        nxt = (torch.arange(V) * step + 1) % V
+        self.table = torch.full((V, V), -20.0)
+        self.table[torch.arange(V), nxt] = 20.0
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table[ids]
+
+
+def generate(model, prompt, costs: StepCosts | None, k: int = 8, n: int = 40, temperature=0.0, seed=None):
+    """Run one sequence through the engine; ``costs`` None is plain decoding."""
+    engine = Engine(LogitsModel(model), None if costs is None else PromptLookup(), costs=costs)
+    config = GenerationConfig(
+        max_new_tokens=n,
+        num_speculative_tokens=0 if costs is None else k,
+        sampling=SamplingConfig(temperature=temperature),
+        seed=seed,
+        ignore_eos=True,
+    )
+    seq = engine.new_sequence(prompt, config)
+    for _ in engine.run([seq]):
+        pass
+    return seq
+
+
+def test_length_rule_trades_expected_tokens_against_cost() -> None:
+    free = [1.0] * 9
+    assert best_draft_length([0.3] * 8, free) == 8  # verification free: every draft token is a gain
+    assert best_draft_length([0.0] * 8, free) == 0
+    int8 = [1.0 + 0.17 * n for n in range(9)]  # measured int8: 5 tokens cost 1.68 steps
+    assert best_draft_length([0.15] * 8, int8) == 0  # 1.15 tokens for 1.17: not worth it
+    assert best_draft_length([0.99] * 8, int8) == 8
+    # A confident first token then a doubtful rest: draft only the first.
+    assert best_draft_length([0.95, 0.1, 0.1, 0.1], int8[:5]) == 1
+    assert best_draft_length([0.5, 0.5], [1.0]) == 0  # no cost known past 0 drafts: draft nothing
+
+
+def test_step_costs_are_ratios_to_the_one_token_step() -> None:
+    costs = StepCosts()
+    assert costs.ratio(1) == 1.0
+    assert costs.ratio(5) == pytest.approx(1 + 4 * PRIOR_EXTRA_TOKEN_COST)  # nothing measured: prior
+    costs.record(1, 5, 0.05)  # no one-token figure yet to compare with: ignored
+    for _ in range(5):
+        costs.record(1, 1, 0.010)
+    costs.record(1, 5, 0.016)
+    costs.record(1, 5, 0.017)
+    assert costs.ratio(5) == pytest.approx(1 + 4 * PRIOR_EXTRA_TOKEN_COST)  # 2 samples: not enough
+    costs.record(1, 5, 0.90)  # an outlier (another process ran)
+    costs.record(1, 5, 0.017)
+    assert costs.ratio(5) == pytest.approx(1.7)
+    # Unmeasured widths extrapolate the measured cost per extra token (0.175), not the prior's.
+    assert costs.ratio(9) == pytest.approx(1.7 + 4 * 0.175)
+    assert costs.ratio(3) == pytest.approx(1 + 2 * PRIOR_EXTRA_TOKEN_COST)
+    assert costs.ratio(5, batch=2) == pytest.approx(1 + 4 * PRIOR_EXTRA_TOKEN_COST)  # per batch size
+    assert costs.ratios(3) == [1.0, costs.ratio(2), costs.ratio(3)]
+
+
+def test_costs_stay_with_the_target() -> None:
+    a, b = LogitsModel(Successor(1)), LogitsModel(Successor(1))
+    assert costs_for(a) is costs_for(a)
+    assert costs_for(a) is not costs_for(b)
+    assert Engine(a, PromptLookup()).costs is costs_for(a)
+
+
+def test_lookup_learns_its_acceptance_from_what_was_committed() -> None:
+    pl = PromptLookup()
+    params = SamplingTensors.from_configs([SamplingConfig(temperature=0.0)])
+    seq = [7, 3, 9, 1, 5, 2, 3]  # "3" recurs: a 1-token match proposing 9, 1, 5, ...
+    pl.start(0, seq)
+    prior = pl.acceptance(0, 1)
+    assert prior == pytest.approx(LOOKUP_ACCEPTANCE_PRIOR[0])
+    prop = pl.propose([0], [seq], torch.tensor([4]), params, [None])
+    assert prop.tokens[0].tolist() == [9, 1, 5, 2]
+    assert prop.accept_probs[0].tolist() == pytest.approx([pl.acceptance(0, n) for n in (1, 2, 3, 4)])
+    for new in range(20, 28):  # after each "3" comes a token never seen: the copy always fails
+        seq = seq + [new, 3]
+        pl.propose([0], [seq], torch.tensor([4]), params, [None])
+    assert pl.acceptance(0, 1) < prior / 2
+    pl.start(0, seq)  # a new sequence starts from the prior again
+    assert pl.acceptance(0, 1) == pytest.approx(prior)
+
+
+def test_lookup_counts_every_copied_token_the_target_confirmed() -> None:
+    pl = PromptLookup(prior_weight=1.0)
+    params = SamplingTensors.from_configs([SamplingConfig(temperature=0.0)])
+    seq = [1, 2, 3, 4, 5, 6, 9, 1]  # match "1" proposes 2, 3, 4, 5
+    pl.start(0, seq)
+    pl.propose([0], [seq], torch.tensor([4]), params, [None])
+    pl.propose([0], [seq + [2, 3, 8]], torch.tensor([4]), params, [None])  # two held, the third not
+    p = LOOKUP_ACCEPTANCE_PRIOR
+    assert pl.acceptance(0, 1) == pytest.approx((p[0] + 1) / 2)
+    assert pl.acceptance(0, 2) == pytest.approx((p[1] + 1) / 2)
+    assert pl.acceptance(0, 3) == pytest.approx(p[2] / 2)
+
+
+def test_costly_verification_drafts_nothing_on_short_matches_and_stays_exact() -> None:
+    model = Scrambled()  # 1-token matches whose copies fail
+    prompt = [3, 5, 3, 9, 11]
+    plain = generate(model, prompt, None)
+    costly = generate(model, prompt, FixedCosts(0.7))
+    free = generate(model, prompt, FixedCosts(0.0))
+    assert costly.output_ids == free.output_ids == plain.output_ids
+    assert costly.stats.draft_tokens == 0
+    assert free.stats.draft_tokens > 0
+
+
+def test_long_copies_are_drafted_even_at_int8_cost() -> None:
+    model = Successor(1)  # counts up: the prompt's run of the cycle is copied and accepted
+    prompt = list(range(V)) + [0, 1, 2]
+    plain = generate(model, prompt, None)
+    spec = generate(model, prompt, FixedCosts(0.17))
+    assert spec.output_ids == plain.output_ids
+    assert spec.stats.mean_accepted_length > 4
+
+
+def test_seeded_sampling_is_cut_by_the_prior_not_the_clock() -> None:
+    model = Successor(1)
+    prompt = list(range(V)) + [0, 1, 2]
+    # Measured costs absurdly high: an unseeded request drafts nothing, a seeded one follows the
+    # prior (so that the seed, not the machine's timing, decides the response).
+    unseeded = generate(model, prompt, FixedCosts(50.0), n=20, temperature=0.5)
+    seeded = generate(model, prompt, FixedCosts(50.0), n=20, temperature=0.5, seed=3)
+    again = generate(model, prompt, FixedCosts(0.0), n=20, temperature=0.5, seed=3)
+    assert unseeded.stats.draft_tokens == 0
+    assert seeded.stats.draft_tokens > 0
+    assert seeded.output_ids == again.output_ids

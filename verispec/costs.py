@@ -1,0 +1,117 @@
+"""What a verification step costs, measured while generating, and the draft length it makes worth it.
+
+Speculation pays only when the tokens a step is expected to emit outgrow what the wider step costs.
+On a CPU that cost is far from the idealised 1 (Leviathan et al., 2023): here a forward over 5 tokens
+costs 1.2 one-token steps with float32 weights and 1.7 with int8 weights, whose kernel is
+arithmetic-bound. So the engine times every step by its width (tokens per row) and keeps the figures
+per target (:func:`costs_for`), and :func:`best_draft_length` picks, per row, the draft length with
+the most expected tokens per unit of measured cost, given the drafter's estimate of each draft
+token's chance of acceptance (:attr:`verispec.proposers.Proposal.accept_probs`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import weakref
+from collections import deque
+from collections.abc import Sequence
+
+PRIOR_EXTRA_TOKEN_COST = 0.05
+"""Cost of each further token of a step before any is measured, relative to a one-token step (the
+float32 kernel's figure: 5 tokens ~1.2x). Optimistic for slower formats on purpose: an unmeasured width
+gets tried and measured instead of never being used."""
+
+
+class StepCosts:
+    """Running cost of a target step by (batch size, width), relative to a one-token step.
+
+    Each step of width w > 1 is stored as its time over the current median one-token time, so the
+    figure compares calls made at the same context length and machine load; the ratio of a width is
+    the median of its recent samples (a thread probe or another process's burst is one outlier).
+    """
+
+    window: int = 31
+    """Samples kept per (batch, width)."""
+    min_samples: int = 3
+    """Samples a width needs before its own median replaces the extrapolation."""
+
+    def __init__(self) -> None:
+        self._single: dict[int, deque[float]] = {}
+        self._ratios: dict[tuple[int, int], deque[float]] = {}
+
+    def record(self, batch: int, width: int, seconds: float) -> None:
+        """One step over ``batch`` rows of ``width`` tokens took ``seconds``."""
+        if width <= 1:
+            self._single.setdefault(batch, deque(maxlen=self.window)).append(seconds)
+            return
+        single = self._single.get(batch)
+        if not single:
+            return  # nothing to compare with yet
+        base = statistics.median(single)
+        if base > 0:
+            self._ratios.setdefault((batch, width), deque(maxlen=self.window)).append(seconds / base)
+
+    def ratio(self, width: int, batch: int = 1) -> float:
+        """``v(width)``: a step of ``width`` tokens per row over a one-token step (1 for width <= 1).
+
+        An unmeasured width extrapolates the widest measured one below it at that width's own cost
+        per extra token (at least the prior's); with nothing measured, the prior.
+        """
+        if width <= 1:
+            return 1.0
+        own = self._ratios.get((batch, width))
+        if own is not None and len(own) >= self.min_samples:
+            return statistics.median(own)
+        below = [
+            w for (b, w), r in self._ratios.items() if b == batch and w < width and len(r) >= self.min_samples
+        ]
+        if not below:
+            return 1.0 + PRIOR_EXTRA_TOKEN_COST * (width - 1)
+        w = max(below)
+        v = statistics.median(self._ratios[(batch, w)])
+        per_token = max(PRIOR_EXTRA_TOKEN_COST, (v - 1.0) / (w - 1))
+        return v + per_token * (width - w)
+
+    def ratios(self, widths: int, batch: int = 1) -> list[float]:
+        """``[v(1), ..., v(widths)]``."""
+        return [self.ratio(w, batch) for w in range(1, widths + 1)]
+
+
+def prior_ratios(widths: int) -> list[float]:
+    """The cost curve before any measurement: ``[v(1), ..., v(widths)]``."""
+    return [1.0 + PRIOR_EXTRA_TOKEN_COST * (w - 1) for w in range(1, widths + 1)]
+
+
+_BY_TARGET: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def costs_for(target: object) -> StepCosts:
+    """The step costs measured for ``target`` so far, shared by every engine that runs it (a
+    request's engine is short-lived; what its steps measured stays with the model)."""
+    try:
+        costs = _BY_TARGET.get(target)
+        if costs is None:
+            costs = _BY_TARGET[target] = StepCosts()
+        return costs
+    except TypeError:  # not weakly referenceable or not hashable: measure per engine
+        return StepCosts()
+
+
+def best_draft_length(accept_probs: Sequence[float], costs: Sequence[float]) -> int:
+    """The draft length L in 0..len(accept_probs) with the most expected tokens per unit of cost.
+
+    ``accept_probs[i]``: the chance draft token i is accepted given that tokens 0..i-1 were;
+    ``costs[L]``: the cost of verifying L drafts (a step of L + 1 tokens) relative to a plain step
+    (``costs[0]`` = 1). A step emits one token plus every accepted draft token, so drafting L yields
+    ``1 + sum_{i<L} prod_{j<=i} accept_probs[j]`` tokens for ``costs[L]``; L = 0 (a plain step,
+    1 token for 1) wins whenever no draft pays for its verification.
+    """
+    best, best_rate = 0, 1.0 / costs[0]
+    tokens, reach = 1.0, 1.0
+    for length, p in enumerate(accept_probs[: len(costs) - 1], start=1):
+        reach *= p
+        tokens += reach
+        rate = tokens / costs[length]
+        if rate > best_rate:
+            best, best_rate = length, rate
+    return best
