@@ -33,7 +33,7 @@ from verispec.bench.peers import HFPeer, LlamaCppPeer, llama_cpp_available
 from verispec.bench.prompts import load_prompts, select
 from verispec.bench.report import goal_checks, markdown, plot_all
 from verispec.bench.runner import ALL, aggregate, run_interleaved
-from verispec.commands.common import add_sampling_arguments, sampling_config
+from verispec.commands.common import add_device_argument, add_sampling_arguments, sampling_config
 from verispec.config import ConfigError
 from verispec.models.fast_llama import DTYPES
 from verispec.proposers import DraftModelProposer, PromptLookup
@@ -88,6 +88,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="our weight format(s), comma list of float32, bfloat16, int8; each gets its own plain baseline",
     )
     p.add_argument("--backend", default="auto", choices=["auto", "fast", "hf"])
+    add_device_argument(p)
     p.add_argument("--out", default="bench-results", help="output folder")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -159,7 +160,7 @@ def _load_targets(args: argparse.Namespace, dtypes: list[str]) -> dict[str, obje
     for d in dtypes:
         try:
             if not targets:
-                targets[d] = load_model(args.model, backend=args.backend, dtype=d)
+                targets[d] = load_model(args.model, backend=args.backend, dtype=d, device=args.device)
             else:
                 first = next(iter(targets.values()))
                 kv = wrap(first.hf_model, first.tokenizer, backend=args.backend, dtype=d)
@@ -289,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
     runners = {cfg: runner_for(cfg) for cfg in configs}
 
     say("measuring memory bandwidth and forward costs")
-    bandwidth = memory_bandwidth()
+    bandwidth = memory_bandwidth(device=getattr(next(iter(targets.values())), "device", "cpu"))
     widths = sorted({1, 5, *(k + 1 for k in ks)})  # 5: verify_cost_ratio; k + 1: each k's prediction
     costs = {d: verify_costs(t, widths) for d, t in targets.items()}
     draft_cost: dict[tuple[str, str], float] = {}

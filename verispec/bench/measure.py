@@ -82,11 +82,14 @@ def _median_seconds(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
-def memory_bandwidth(num_bytes: int = 512 * 2**20, reps: int = 7) -> float:
-    """Memory read bandwidth in bytes/s: median time of summing a float32 tensor far larger than cache."""
-    x = torch.ones(num_bytes // 4, dtype=torch.float32)
-    x.sum()  # touch every page first
-    seconds = _median_seconds(lambda: x.sum(), reps)
+def memory_bandwidth(
+    num_bytes: int = 512 * 2**20, reps: int = 7, device: str | torch.device = "cpu"
+) -> float:
+    """Memory read bandwidth in bytes/s of ``device`` (where the target's weights live): median time
+    of summing a float32 tensor far larger than its caches."""
+    x = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
+    float(x.sum())  # touch every page first (and wait for the device)
+    seconds = _median_seconds(lambda: float(x.sum()), reps)
     return num_bytes / seconds
 
 

@@ -56,7 +56,7 @@ class HFPeer:
     @torch.inference_mode()
     def run(self, prompt: list[int], cfg: MethodConfig, req: Sampling) -> RunResult:
         """Generate once; ``cfg.method`` picks plain, prompt lookup or assisted generation."""
-        ids = torch.tensor([prompt])  # [1, T]
+        ids = torch.tensor([prompt], device=self.model.device)  # [1, T]
         kwargs: dict = {
             "max_new_tokens": req.max_new_tokens,
             "eos_token_id": self.eos,

@@ -22,7 +22,7 @@ from verispec.bench.measure import (
 )
 from verispec.bench.methods import MethodConfig, Sampling, run_ours
 from verispec.bench.prompts import load_prompts, select
-from verispec.commands.common import add_sampling_arguments, sampling_config
+from verispec.commands.common import add_device_argument, add_sampling_arguments, sampling_config
 from verispec.config import ConfigError
 from verispec.models.fast_llama import DTYPES
 from verispec.proposers import DraftModelProposer, PromptLookup
@@ -49,6 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_sampling_arguments(p)
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weight format of the target")
     p.add_argument("--backend", default="auto", choices=["auto", "fast", "hf"])
+    add_device_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     from verispec.tokenizers import encode_prompt
 
     resolve(args.model)
-    target = load_model(args.model, backend=args.backend, dtype=args.dtype)
+    target = load_model(args.model, backend=args.backend, dtype=args.dtype, device=args.device)
     proposer = build_proposer(target, args.draft_model, args.prompt_lookup, backend=args.backend)
     method = "prompt-lookup" if isinstance(proposer, PromptLookup) else "draft-model"
 

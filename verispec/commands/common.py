@@ -33,6 +33,16 @@ def add_model_arguments(p: argparse.ArgumentParser, *, draft_flag: str = "--draf
         help="weight format of the fast path: float32 (exact), bfloat16, or int8 (per-row scales)",
     )
     p.add_argument("--backend", default="auto", choices=["auto", "fast", "hf"], help="model implementation")
+    add_device_argument(p)
+
+
+def add_device_argument(p: argparse.ArgumentParser) -> None:
+    """--device: where the models' weights live and their forwards run."""
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="where the models run: cpu, cuda, cuda:N, or auto (the GPU when torch sees one)",
+    )
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:

@@ -45,7 +45,12 @@ def build_proposer(
     # Compare tokenizers before paying for the draft's weights.
     check_compatible(target.tokenizer, load_tokenizer(draft_model))
     draft = load_model(
-        draft_model, backend=backend, dtype=dtype, max_batch_size=max_batch_size, max_length=target.max_length
+        draft_model,
+        backend=backend,
+        dtype=dtype,
+        max_batch_size=max_batch_size,
+        max_length=target.max_length,
+        device=str(getattr(target, "device", "cpu")),  # the draft runs where the target does
     )
     return make_proposer(target, draft, max_batch_size=max_batch_size)
 

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     check_model_arguments(args)
     from verispec.models.loading import load_model
 
-    target = load_model(args.model, backend=args.backend, dtype=args.dtype)
+    target = load_model(args.model, backend=args.backend, dtype=args.dtype, device=args.device)
     proposer = None
     if config.num_speculative_tokens > 0:
         proposer = build_proposer(

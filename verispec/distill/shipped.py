@@ -119,6 +119,12 @@ def load_draft(folder: str | Path, target, *, max_batch_size: int = 1) -> DraftK
     from safetensors.torch import load_file
 
     meta = read_meta(folder)
+    where = getattr(target, "device", torch.device("cpu"))
+    if torch.device(where).type != "cpu":
+        raise ConfigError(
+            f"distilled drafts run with CPU targets only for now; this target is on {where} "
+            "(load it with --device cpu, or name a Hugging Face draft model or --prompt-lookup)"
+        )
     mine = target_id(target)
     if meta.get("target_id") != mine:
         name = getattr(target, "name", None) or type(getattr(target, "hf_model", target)).__name__

@@ -49,7 +49,8 @@ class KVModel(Protocol):
             logits: "all" returns ``[n, T, V]``, "last" ``[n, V]``, "none" returns None.
 
         Row ``r`` writes its tokens at positions ``lengths[r] .. lengths[r] + T - 1`` and attends to
-        everything before them; its length grows by T.
+        everything before them; its length grows by T. ``input_ids`` and the returned logits live on
+        the CPU whatever device the model runs on: sampling and acceptance run there.
         """
 
     def truncate(self, lengths: torch.Tensor, rows: list[int] | None = None) -> None:

@@ -518,7 +518,8 @@ class FastLlama:
             return None
         if logits == "last":
             x = x[:, -1]  # [n, hidden]: only the last position pays for the vocab projection
-        return _linear(_rms_norm(x, w["norm"], self._eps), w["head"], scale=w["head_scale"]).float()
+        out = _linear(_rms_norm(x, w["norm"], self._eps), w["head"], scale=w["head_scale"]).float()
+        return out.cpu()  # sampling and acceptance run on the CPU (a no-op there)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

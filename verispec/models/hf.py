@@ -59,7 +59,7 @@ class HFModel:
                 outs.append(_float(out.logits[0, -1]))  # [V]
         if logits == "none":
             return None
-        return torch.stack(outs)
+        return torch.stack(outs).cpu()  # sampling and acceptance run on the CPU
 
     def weight_bytes(self) -> int:
         """Bytes of the model's parameters."""

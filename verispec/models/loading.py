@@ -159,6 +159,7 @@ def load_model(
     dtype: str = "float32",
     max_batch_size: int = 1,
     max_length: int | None = None,
+    device: str = "cpu",
 ):
     """Load a model as a KVModel carrying ``.tokenizer``, ``.hf_model``, ``.name`` and ``.eos_token_ids``.
 
@@ -168,10 +169,14 @@ def load_model(
         dtype: weight format of the fast path: "float32", "bfloat16" or "int8" (others: float32).
         max_batch_size: rows the caches are sized for.
         max_length: cap on the context (and cache size).
+        device: where the weights and caches live and the forwards run: "cpu", "cuda", "cuda:N" or
+            "auto" (the first GPU when torch sees one). Logits come back on the CPU either way.
     """
     if backend not in ("auto", "fast", "hf"):
         raise ConfigError(f"backend must be auto, fast or hf, got {backend!r}")
+    where = resolve_device(device)
     hf_model, tokenizer, instruct = load_hf(spec)
+    hf_model = hf_model.to(where)
     kv = wrap(
         hf_model,
         tokenizer,
@@ -183,6 +188,19 @@ def load_model(
     kv.name = spec
     kv.instruct = instruct
     return kv
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"auto"`` becomes ``cuda`` when torch sees a GPU, else ``cpu``; others are checked."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        where = torch.device(device)
+    except RuntimeError as exc:
+        raise ConfigError(f"unknown device {device!r}: {exc}") from exc
+    if where.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} asked for, but torch sees no CUDA GPU here")
+    return where
 
 
 def wrap(

@@ -90,7 +90,8 @@ def build_state(args: argparse.Namespace) -> ServerState:
     from verispec.models.loading import load_model
 
     max_len = args.max_model_len
-    target = load_model(args.model, backend=args.backend, dtype=args.dtype, max_batch_size=args.max_num_seqs,
+    target = load_model(args.model, backend=args.backend, dtype=args.dtype, device=args.device,
+                        max_batch_size=args.max_num_seqs,
                         max_length=max_len or DEFAULT_MAX_MODEL_LEN)
     target.reset(args.max_num_seqs)
     proposer = None
