@@ -223,7 +223,8 @@ def unrolled_forward(
     groups = model.cfg.num_heads // model.cfg.num_kv_heads
     n1 = t - 1
     x1 = model.inputs(ids[:, 1:], feats[:, :-1])  # [B, T-1, hidden]
-    cos, sin = model._rope(torch.arange(n1).expand(b, n1))
+    dev = ids.device
+    cos, sin = model._rope(torch.arange(n1, device=dev).expand(b, n1))
     kv = []
     for layer in model.layers:
         q, k, v = model._qkv(layer, x1, cos, sin)  # [B, H, T-1, D], [B, H_kv, T-1, D]
@@ -236,9 +237,10 @@ def unrolled_forward(
         return x1, None
     n2 = t - 2
     x2 = model.inputs(ids[:, 2:], x1[:, :-1])  # [B, T-2, hidden]: positions 1 .. T-2
-    cos, sin = model._rope((torch.arange(n2) + 1).expand(b, n2))
+    cos, sin = model._rope((torch.arange(n2, device=dev) + 1).expand(b, n2))
     # Query i (position i + 1) sees teacher-forced keys 0..i and its own unrolled key.
-    mask = torch.cat([torch.ones(n2, n2, dtype=torch.bool).tril(), torch.eye(n2, dtype=torch.bool)], dim=1)
+    causal = torch.ones(n2, n2, dtype=torch.bool, device=dev).tril()
+    mask = torch.cat([causal, torch.eye(n2, dtype=torch.bool, device=dev)], dim=1)
     for layer, (k1, v1) in zip(model.layers, kv):
         q, k, v = model._qkv(layer, x2, cos, sin)
         keys = torch.cat([k1[:, :, :n2], k], dim=2).repeat_interleave(groups, 1)  # [B, H, 2(T-2), D]

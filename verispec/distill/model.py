@@ -160,6 +160,17 @@ class DraftLM(nn.Module):
         """Final norm and head: ``[..., hidden]`` features -> ``[..., draft_vocab]`` logits."""
         return self._norm(x, self.norm) @ self.head.T
 
+    def move(self, device: torch.device | str) -> DraftLM:
+        """Move parameters and the target's borrowed tensors (embeddings, head rows, RoPE) to ``device``."""
+        self.to(device)
+        self.embed = self.embed.to(device)
+        self.inv_freq = self.inv_freq.to(device)
+        if not isinstance(self.head, nn.Parameter):
+            self.head = self.head.to(device)
+        if self.vocab_ids is not None:
+            self.vocab_ids = self.vocab_ids.to(device)
+        return self
+
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """What a trained draft stores: layers, final norm, the head when trained (never embeddings)."""
         return {k: v for k, v in self.state_dict().items()}
@@ -195,7 +206,7 @@ class DraftLM(nn.Module):
         """Training path, no cache: ``[B, T]`` ids -> ``[B, T, draft_vocab]`` logits (causal)."""
         b, t = ids.shape
         x = self.inputs(ids, features)  # [B, T, hidden]
-        cos, sin = self._rope(torch.arange(t).expand(b, t))
+        cos, sin = self._rope(torch.arange(t, device=ids.device).expand(b, t))
         groups = self.cfg.num_heads // self.cfg.num_kv_heads
         for layer in self.layers:
             q, k, v = self._qkv(layer, x, cos, sin)
