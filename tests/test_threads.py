@@ -95,3 +95,15 @@ def test_probes_compare_calls_of_the_same_size(monkeypatch) -> None:
         rows = 16 if (i // 7) % 2 else 1  # the batch grows and shrinks between calls
         tuner.run(lambda rows=rows: call(rows), tokens=rows)
         assert tuner.choice == 2, f"switched to 1 thread at call {i}"
+
+
+def test_torch_threads_sets_and_restores():
+    from verispec.models.threads import torch_threads
+
+    before = torch.get_num_threads()
+    with torch_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with pytest.raises(RuntimeError), torch_threads(1):
+        raise RuntimeError("restored on errors too")
+    assert torch.get_num_threads() == before

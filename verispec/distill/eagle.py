@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from verispec.config import ConfigError
 from verispec.distill.model import DraftKV, DraftLM
+from verispec.models.threads import torch_threads
 from verispec.proposers import Proposal, _empty, draw
 from verispec.sampling import SamplingTensors
 
@@ -90,11 +91,25 @@ class EagleProposer:
         params: SamplingTensors,
         generators: Sequence[torch.Generator | None],
     ) -> Proposal:
-        """Catch up on the newly committed pairs, then draft ``max(num_tokens)`` tokens per row."""
+        """Catch up on the newly committed pairs, then draft ``max(num_tokens)`` tokens per row
+        (on one thread: see :func:`~verispec.models.threads.torch_threads`)."""
         batch = len(slots)
         k = int(num_tokens.max()) if batch else 0
         if k == 0:
             return _empty(batch)
+        with torch_threads(1):
+            return self._propose(slots, committed, num_tokens, params, generators, k)
+
+    def _propose(
+        self,
+        slots: list[int],
+        committed: list[list[int]],
+        num_tokens: torch.Tensor,
+        params: SamplingTensors,
+        generators: Sequence[torch.Generator | None],
+        k: int,
+    ) -> Proposal:
+        batch = len(slots)
         for slot, toks in zip(slots, committed):
             if slot not in self._agreed:  # the proposer was resized under this row: start it again
                 self._ensure(slot + 1)
