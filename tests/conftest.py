@@ -8,8 +8,20 @@ from pathlib import Path
 import pytest
 import torch
 
+from verispec.costs import StepCosts
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+class FreeCosts(StepCosts):
+    """Step costs of a machine on which verifying more tokens costs nothing more; records nothing."""
+
+    def record(self, batch: int, width: int, seconds: float) -> None:
+        pass
+
+    def ratio(self, width: int, batch: int = 1) -> float:
+        return 1.0
 
 
 def tiny_llama(

@@ -103,6 +103,18 @@ def test_step_costs_are_ratios_to_the_one_token_step() -> None:
     assert costs.ratios(3) == [1.0, costs.ratio(2), costs.ratio(3)]
 
 
+def test_a_width_judged_too_dear_is_measured_again_later() -> None:
+    costs = StepCosts()
+    for _ in range(5):
+        costs.record(1, 1, 0.010)
+    for _ in range(3):
+        costs.record(1, 2, 0.030)  # a burst of load while width 2 was tried
+    assert costs.ratio(2) == pytest.approx(3.0)
+    for _ in range(costs.horizon):
+        costs.record(1, 1, 0.010)  # width 2 is never drafted again, so never remeasured
+    assert costs.ratio(2) == pytest.approx(1 + PRIOR_EXTRA_TOKEN_COST)  # expired: tried again
+
+
 def test_costs_stay_with_the_target() -> None:
     a, b = LogitsModel(Successor(1)), LogitsModel(Successor(1))
     assert costs_for(a) is costs_for(a)
@@ -172,3 +184,8 @@ def test_seeded_sampling_is_cut_by_the_prior_not_the_clock() -> None:
     assert unseeded.stats.draft_tokens == 0
     assert seeded.stats.draft_tokens > 0
     assert seeded.output_ids == again.output_ids
+
+
+def test_engine_marks_rows_whose_drafts_it_cut_by_cost() -> None:
+    seq = generate(Successor(1), list(range(V)) + [0, 1, 2], FixedCosts(0.17), n=8)
+    assert seq.cut_by_cost

@@ -28,19 +28,26 @@ class StepCosts:
     Each step of width w > 1 is stored as its time over the current median one-token time, so the
     figure compares calls made at the same context length and machine load; the ratio of a width is
     the median of its recent samples (a thread probe or another process's burst is one outlier).
+    Samples expire after ``horizon`` steps: a width judged too dear during a burst of load is no
+    longer drafted, so nothing would correct its figure; once expired, the optimistic extrapolation
+    has it tried and measured again (a few steps every ``horizon``).
     """
 
     window: int = 31
     """Samples kept per (batch, width)."""
     min_samples: int = 3
-    """Samples a width needs before its own median replaces the extrapolation."""
+    """Unexpired samples a width needs before its own median replaces the extrapolation."""
+    horizon: int = 512
+    """Steps (of any width) after which a sample of a wider step expires."""
 
     def __init__(self) -> None:
         self._single: dict[int, deque[float]] = {}
-        self._ratios: dict[tuple[int, int], deque[float]] = {}
+        self._ratios: dict[tuple[int, int], deque[tuple[int, float]]] = {}
+        self._steps = 0
 
     def record(self, batch: int, width: int, seconds: float) -> None:
         """One step over ``batch`` rows of ``width`` tokens took ``seconds``."""
+        self._steps += 1
         if width <= 1:
             self._single.setdefault(batch, deque(maxlen=self.window)).append(seconds)
             return
@@ -49,7 +56,16 @@ class StepCosts:
             return  # nothing to compare with yet
         base = statistics.median(single)
         if base > 0:
-            self._ratios.setdefault((batch, width), deque(maxlen=self.window)).append(seconds / base)
+            samples = self._ratios.setdefault((batch, width), deque(maxlen=self.window))
+            samples.append((self._steps, seconds / base))
+
+    def _measured(self, batch: int, width: int) -> float | None:
+        """Median of the unexpired samples of ``width``, if there are enough."""
+        samples = self._ratios.get((batch, width))
+        if not samples:
+            return None
+        recent = [r for step, r in samples if step > self._steps - self.horizon]
+        return statistics.median(recent) if len(recent) >= self.min_samples else None
 
     def ratio(self, width: int, batch: int = 1) -> float:
         """``v(width)``: a step of ``width`` tokens per row over a one-token step (1 for width <= 1).
@@ -59,18 +75,15 @@ class StepCosts:
         """
         if width <= 1:
             return 1.0
-        own = self._ratios.get((batch, width))
-        if own is not None and len(own) >= self.min_samples:
-            return statistics.median(own)
-        below = [
-            w for (b, w), r in self._ratios.items() if b == batch and w < width and len(r) >= self.min_samples
-        ]
-        if not below:
-            return 1.0 + PRIOR_EXTRA_TOKEN_COST * (width - 1)
-        w = max(below)
-        v = statistics.median(self._ratios[(batch, w)])
-        per_token = max(PRIOR_EXTRA_TOKEN_COST, (v - 1.0) / (w - 1))
-        return v + per_token * (width - w)
+        own = self._measured(batch, width)
+        if own is not None:
+            return own
+        for w in range(width - 1, 1, -1):  # the widest measured width below
+            v = self._measured(batch, w)
+            if v is not None:
+                per_token = max(PRIOR_EXTRA_TOKEN_COST, (v - 1.0) / (w - 1))
+                return v + per_token * (width - w)
+        return 1.0 + PRIOR_EXTRA_TOKEN_COST * (width - 1)
 
     def ratios(self, widths: int, batch: int = 1) -> list[float]:
         """``[v(1), ..., v(widths)]``."""
