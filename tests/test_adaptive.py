@@ -30,3 +30,12 @@ def test_drafts_shorter_than_allowed_leave_k_alone() -> None:
     assert adapt_k(_seq(8), drafted=2, accepted=0) == 8
     assert adapt_k(_seq(8), drafted=2, accepted=2) == 8
     assert adapt_k(_seq(4), drafted=0, accepted=0) == 4
+
+
+def test_a_cap_on_drafts_cut_by_cost_never_shrinks_below_the_configured_k() -> None:
+    seq = _seq(6, configured=4)
+    seq.cut_by_cost = True  # the engine chose the length from acceptance estimates and cost
+    assert adapt_k(seq, drafted=6, accepted=1) == 4
+    assert adapt_k(seq, drafted=6, accepted=6) == 7
+    seq.k = 4
+    assert adapt_k(seq, drafted=4, accepted=0) == 4

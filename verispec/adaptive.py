@@ -33,10 +33,15 @@ def adapt_k(seq: SequenceState, drafted: int, accepted: int) -> int:
     Only drafts that used the whole allowance count: a drafter that stopped short by itself (prompt
     lookup after a short match, a draft model below its confidence threshold) says nothing about
     whether the allowance is right, and shrinking it would cut the next long, likely match short.
+    A draft cut by measured cost (``seq.cut_by_cost``: the drafter estimates its acceptance and
+    learns from its rejections) already has its length chosen each step; for it k is only a cap,
+    which grows after full acceptance and never shrinks below the configured k (a rejection would
+    otherwise stop the next long copy early, where the estimate knows it is likely to hold).
     """
     if drafted == 0 or drafted < seq.k:  # no draft, or the drafter chose its own length
         return seq.k
     upper = max(1, 2 * seq.config.num_speculative_tokens)
     if accepted == drafted:
         return min(upper, seq.k + 1)
-    return max(1, min(seq.k - 1, accepted + 1))
+    floor = seq.config.num_speculative_tokens if seq.cut_by_cost else 1
+    return max(floor, 1, min(seq.k - 1, accepted + 1))

@@ -45,6 +45,9 @@ class SequenceState:
     """Per emitted token: True when it was an accepted draft token."""
     drafting: bool = False
     """Whether the proposer holds this sequence's state (started lazily when k > 0)."""
+    cut_by_cost: bool = False
+    """Whether its last draft came with acceptance estimates, and so was cut to the length worth
+    verifying at the measured cost (``k`` then only caps that length)."""
     finish_reason: str | None = None
     """None while running; then "stop" (EOS or stop string) or "length"."""
     text: str = ""
@@ -209,6 +212,8 @@ class Engine:
             [seqs[i].generator for i in rows],
         )
         sub_num = torch.minimum(sub.num_draft, ks[rows])
+        for i in rows:
+            seqs[i].cut_by_cost = sub.accept_probs is not None
         if sub.accept_probs is not None:
             sub_num = self._worth_verifying([seqs[i] for i in rows], sub.accept_probs, sub_num, len(seqs))
         if len(rows) == len(seqs):
