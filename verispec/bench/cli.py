@@ -188,13 +188,15 @@ def _draft(args: argparse.Namespace, target, notes: list[str]):
         if proposer is None:
             notes.append(
                 "no --draft-model given and no shipped draft for this target yet: "
-                "draft-model and hf-assisted skipped"
+                "draft-model, lookup+draft and hf-assisted skipped"
             )
             return None
     else:
         proposer = build_proposer(target, args.draft_model, False, backend=args.backend)
     if not isinstance(proposer, (DraftModelProposer, EagleProposer)):
-        notes.append("the draft resolved to no draft model: draft-model and hf-assisted skipped")
+        notes.append(
+            "the draft resolved to no draft model: draft-model, lookup+draft and hf-assisted skipped"
+        )
         return None
     return proposer
 
@@ -225,10 +227,10 @@ def run(args: argparse.Namespace) -> int:
     encoded = [encode(tokenizer, p.text, main.instruct) for p in prompts]
 
     draft = None
-    if {"draft-model", "hf-assisted"} & set(methods):
+    if {"draft-model", "hf-assisted", "lookup+draft"} & set(methods):
         draft = _draft(args, main, notes)
         if draft is None:
-            methods = [m for m in methods if m not in ("draft-model", "hf-assisted")]
+            methods = [m for m in methods if m not in ("draft-model", "hf-assisted", "lookup+draft")]
         elif "hf-assisted" in methods and getattr(_draft_kv(draft), "hf_model", None) is None:
             notes.append("the draft is no transformers model (a distilled draft): hf-assisted skipped")
             methods.remove("hf-assisted")
@@ -277,6 +279,11 @@ def run(args: argparse.Namespace) -> int:
                 targets[d], draft.draft
             )
         proposers[("prompt-lookup", d, False)] = proposers[("prompt-lookup", d, True)] = lookup
+        if draft is not None:  # the default drafter: lookup first, the draft where lookup has nothing
+            from verispec.lookup_first import LookupFirst
+
+            mixed = LookupFirst(proposers[("draft-model", d, False)])
+            proposers[("lookup+draft", d, False)] = proposers[("lookup+draft", d, True)] = mixed
 
     def runner_for(cfg: MethodConfig):
         if cfg.method in OURS:

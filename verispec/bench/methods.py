@@ -16,14 +16,22 @@ from verispec.config import GenerationConfig, SamplingConfig
 from verispec.proposers import Proposer
 from verispec.stats import GenerationStats
 
-OURS = ("autoregressive", "draft-model", "prompt-lookup")
+OURS = ("autoregressive", "draft-model", "prompt-lookup", "lookup+draft")
 PEERS = ("hf-generate", "hf-prompt-lookup", "hf-assisted", "llama.cpp", "llama.cpp-prompt-lookup")
 METHODS = OURS + PEERS
-SPECULATIVE = ("draft-model", "prompt-lookup", "hf-prompt-lookup", "hf-assisted", "llama.cpp-prompt-lookup")
+SPECULATIVE = (
+    "draft-model",
+    "prompt-lookup",
+    "lookup+draft",
+    "hf-prompt-lookup",
+    "hf-assisted",
+    "llama.cpp-prompt-lookup",
+)
 BASELINE = {
     "autoregressive": "autoregressive",
     "draft-model": "autoregressive",
     "prompt-lookup": "autoregressive",
+    "lookup+draft": "autoregressive",
     "hf-generate": "hf-generate",
     "hf-prompt-lookup": "hf-generate",
     "hf-assisted": "hf-generate",

@@ -100,6 +100,16 @@ class EagleProposer:
         with torch_threads(1):
             return self._propose(slots, committed, num_tokens, params, generators, k)
 
+    def observe(self, slots: list[int], committed: list[list[int]]) -> None:
+        """Catch up on the rows' newly committed pairs without drafting (a step in which another
+        drafter proposed for them), so the next proposal reads the target's features, not its own."""
+        with torch_threads(1):
+            for slot, toks in zip(slots, committed):
+                if slot not in self._agreed:
+                    self._ensure(slot + 1)
+                    self._agreed[slot] = 0
+                self._feed(slot, toks, len(toks) - 1)
+
     def _propose(
         self,
         slots: list[int],

@@ -1,0 +1,100 @@
+"""LookupFirst (prompt lookup, else a trained draft): exact, and it really mixes the two drafters."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_distill import _eagle, _fast_target
+from test_exactness import DRAFT, SIGMAS, TARGET, Bigram, exact_law, max_z
+
+import verispec
+from verispec.api import as_kvmodel
+from verispec.distill.eagle import EagleProposer
+from verispec.lookup_first import LookupFirst
+from verispec.proposers import DraftModelProposer, PromptLookup
+
+N = 20_000
+
+
+def test_sampled_law_is_the_targets():
+    """Half the rows start from a prompt lookup can continue ("1 0 1 0"), half from one it cannot
+    ("2 3 1 0"): lookup's point masses and the draft model's distributions meet in one batch, and the
+    first three tokens still follow the target's law (bigram: it depends on the last token only)."""
+    prompts = [[1, 0, 1, 0], [2, 3, 1, 0]]
+    proposer = LookupFirst(
+        DraftModelProposer(as_kvmodel(Bigram(DRAFT)), max_batch_size=N),
+        draft_tokens=2,
+        draft_cost=0.0,
+        prior=0.15,
+    )
+    results = verispec.speculative_generate(
+        Bigram(TARGET),
+        proposer,
+        torch.tensor(prompts * (N // 2)),
+        max_new_tokens=3,
+        num_speculative_tokens=3,
+        temperature=1.0,
+        seed=0,
+    )
+    counts: dict[tuple[int, ...], int] = {}
+    for r in results:
+        counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
+    assert proposer.chosen["lookup"] > 1000 and proposer.chosen["draft"] > 1000
+    law = exact_law(TARGET, 0, temperature=1.0, top_k=None, top_p=None)
+    assert max_z(counts, law) < SIGMAS
+
+
+@pytest.mark.parametrize("k", [2, 6])
+def test_greedy_with_eagle_equals_plain(k):
+    _, target = _fast_target()
+    _, draft = _eagle(target)
+    proposer = LookupFirst(EagleProposer(target, draft, max_batch_size=2), draft_cost=0.0, prior=0.3)
+    prompts = [[3, 14, 15, 9, 26, 5, 35, 8, 9, 7, 9, 3, 14, 15, 9, 26], [2, 7, 2, 7, 2]]
+    plain = verispec.speculative_generate(target, None, prompts, max_new_tokens=40, temperature=0)
+    spec = verispec.speculative_generate(
+        target, proposer, prompts, max_new_tokens=40, num_speculative_tokens=k, temperature=0
+    )
+    for got, want in zip(spec, plain):
+        assert got.token_ids == want.token_ids
+    assert proposer.chosen["lookup"] > 0 and proposer.chosen["draft"] > 0
+
+
+def test_a_draft_that_keeps_failing_gives_way_to_lookup():
+    """The draft's acceptance is learned per sequence: one that is never accepted stops being chosen."""
+
+    class Wrong:
+        """Proposes a token the sequence never continues with."""
+
+        def start(self, slot, tokens):
+            pass
+
+        def propose(self, slots, committed, num_tokens, params, generators):
+            k = int(num_tokens.max())
+            return verispec.proposers.Proposal(
+                tokens=torch.full((len(slots), k), 63), probs=None, num_draft=num_tokens.clone()
+            )
+
+    proposer = LookupFirst(Wrong(), PromptLookup(), draft_tokens=1, draft_cost=0.0, prior=0.9)
+    seq = [1, 2, 3, 4]
+    proposer.start(0, seq)
+    for step in range(16):  # a repeating text: lookup's matches grow and hold
+        proposer.propose([0], [seq], torch.tensor([2]), _greedy(), [None])
+        seq = seq + [1 + step % 4]
+    assert proposer.acceptance(0)[0] < 0.75  # learned from 0.9: the draft's tokens failed
+    assert proposer.chosen["draft"] >= 1 and proposer.chosen["lookup"] >= 8
+
+
+def _greedy():
+    from verispec.config import SamplingConfig
+    from verispec.sampling import SamplingTensors
+
+    return SamplingTensors.from_configs([SamplingConfig(temperature=0)])
+
+
+def test_rejects_bad_settings():
+    with pytest.raises(ValueError):
+        LookupFirst(PromptLookup(), draft_tokens=0)
+    with pytest.raises(ValueError):
+        LookupFirst(PromptLookup(), prior=1.5)
+    assert np.isclose(LookupFirst(PromptLookup(), prior=0.25).acceptance(7)[0], 0.25)

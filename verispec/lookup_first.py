@@ -1,0 +1,163 @@
+"""Prompt lookup first, a trained draft where lookup has nothing good: the default drafter.
+
+The two drafters are strong in different places. Prompt lookup costs nothing and, after a long
+match, is accepted nine times in ten, but most steps of open-ended text have no match worth copying.
+A trained draft (the EAGLE head shipped for the default model) is accepted about 40% of the time
+everywhere but costs a tenth of a target step per token. :class:`LookupFirst` asks both every
+step: lookup's proposal comes with its estimated chances of acceptance; the draft's chance of
+acceptance per position is learned per sequence from what the target went on to commit (from a
+prior). Each row takes the proposal with more expected accepted tokens, the draft's net of its own
+cost. The engine then cuts either to the length worth verifying at the measured cost
+(``Proposal.accept_probs``), and verification is the same exact rejection sampling either way: the
+choice only moves speed, never the output distribution.
+
+The draft keeps up with every committed token even in steps it does not draft (``observe``), so
+its state is the same whichever drafter a row used last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from verispec.proposers import PromptLookup, Proposal, Proposer, _empty
+from verispec.sampling import SamplingTensors
+
+DRAFT_ACCEPTANCE_PRIOR = 0.4
+"""Prior chance that a trained draft's token is accepted given the ones before it were: about the
+shipped EAGLE head's first-token acceptance on Spec-Bench prompts (benchmarks/DRAFTS.md)."""
+
+
+class LookupFirst:
+    """Per row, prompt lookup's proposal or the draft's, whichever promises more accepted tokens.
+
+    Args:
+        draft: a proposer (the shipped EAGLE head, a draft model); ``observe(slots, committed)``, when
+            it has one, is called for rows it did not draft for, to keep its state current.
+        lookup: the prompt-lookup drafter (default: a new :class:`PromptLookup`).
+        draft_tokens: at most this many draft-model tokens per step (lookup may use all of k).
+        draft_cost: the draft's cost per token in target steps (the shipped head: about 0.1 on one
+            thread), charged against its expected accepted tokens when choosing.
+        prior, prior_weight: the draft's prior acceptance per position, and how many observations it
+            counts as.
+    """
+
+    def __init__(
+        self,
+        draft: Proposer,
+        lookup: PromptLookup | None = None,
+        *,
+        draft_tokens: int = 2,
+        draft_cost: float = 0.1,
+        prior: float = DRAFT_ACCEPTANCE_PRIOR,
+        prior_weight: float = 4.0,
+    ):
+        if draft_tokens < 1:
+            raise ValueError("draft_tokens must be >= 1")
+        if not 0.0 <= prior <= 1.0 or prior_weight <= 0:
+            raise ValueError("need a prior in [0, 1] and prior_weight > 0")
+        self.draft = draft
+        self.lookup = lookup if lookup is not None else PromptLookup()
+        self.draft_tokens = draft_tokens
+        self.draft_cost = float(draft_cost)
+        self.prior = float(prior)
+        self.prior_weight = float(prior_weight)
+        self._counts: dict[int, np.ndarray] = {}
+        """Per slot, ``[draft_tokens, 2]``: the draft's tokens accepted and observed, by position."""
+        self._last: dict[int, tuple[int, list[int]]] = {}
+        """Per slot, the draft's previous proposal: (tokens committed then, tokens proposed)."""
+        self.chosen = {"lookup": 0, "draft": 0}
+        """Rows that took each drafter's proposal, over the proposer's life."""
+
+    def start(self, slot: int, tokens: Sequence[int]) -> None:
+        self.lookup.start(slot, tokens)
+        self.draft.start(slot, tokens)
+        self._counts[slot] = np.zeros((self.draft_tokens, 2))
+        self._last.pop(slot, None)
+
+    def acceptance(self, slot: int) -> list[float]:
+        """The draft's estimated conditional acceptance at each position for this slot."""
+        counts = self._counts.get(slot)
+        if counts is None:
+            counts = np.zeros((self.draft_tokens, 2))
+        w = self.prior_weight
+        return [float((self.prior * w + ok) / (w + seen)) for ok, seen in counts]
+
+    def _learn(self, slot: int, toks: Sequence[int]) -> None:
+        last = self._last.pop(slot, None)
+        counts = self._counts.get(slot)
+        if last is None or counts is None:
+            return
+        at, draft = last
+        for i, (proposed, got) in enumerate(zip(draft, toks[at : at + len(draft)])):
+            counts[i, 1] += 1
+            if proposed != got:
+                break
+            counts[i, 0] += 1
+
+    def propose(
+        self,
+        slots: list[int],
+        committed: list[list[int]],
+        num_tokens: torch.Tensor,
+        params: SamplingTensors,
+        generators: Sequence[torch.Generator | None],
+    ) -> Proposal:
+        batch = len(slots)
+        k = int(num_tokens.max()) if batch else 0
+        if k == 0:
+            return _empty(batch)
+        for slot, toks in zip(slots, committed):
+            self._learn(slot, toks)
+        look = self.lookup.propose(slots, committed, num_tokens, params, generators)
+        n_draft = min(k, self.draft_tokens)
+        use_draft = []
+        for row, slot in enumerate(slots):
+            n = int(look.num_draft[row])
+            a = look.accept_probs[row, :n] if look.accept_probs is not None else torch.ones(n)
+            from_lookup = float(torch.cumprod(a, 0).sum()) if n else 0.0
+            est = np.cumprod(self.acceptance(slot)[:n_draft])
+            from_draft = float(est.sum()) - self.draft_cost * n_draft
+            use_draft.append(int(num_tokens[row]) > 0 and from_draft > from_lookup)
+        rows = [r for r, u in enumerate(use_draft) if u]
+        rest = [r for r, u in enumerate(use_draft) if not u]
+        observe = getattr(self.draft, "observe", None)
+        if rest and observe is not None:
+            observe([slots[r] for r in rest], [committed[r] for r in rest])
+        self.chosen["draft"] += len(rows)
+        self.chosen["lookup"] += sum(1 for r in rest if int(look.num_draft[r]) > 0)
+        if not rows:
+            return look
+        sub = self.draft.propose(
+            [slots[r] for r in rows],
+            [committed[r] for r in rows],
+            num_tokens[rows].clamp(max=n_draft),
+            params.select(rows),
+            [generators[r] for r in rows],
+        )
+        width = max(k, sub.tokens.shape[1])
+        tokens = torch.zeros(batch, width, dtype=torch.int64)
+        tokens[:, : look.tokens.shape[1]] = look.tokens
+        num = look.num_draft.clone()
+        accept = torch.ones(batch, width)
+        if look.accept_probs is not None:
+            accept[:, : look.accept_probs.shape[1]] = look.accept_probs
+        probs = None
+        if sub.probs is not None:  # sampling: lookup's rows are point masses on their tokens
+            vocab = sub.probs.shape[-1]
+            probs = torch.zeros(batch, width, vocab, dtype=sub.probs.dtype)
+            probs.scatter_(2, tokens[:, :, None], 1.0)
+        for i, r in enumerate(rows):
+            m = int(sub.num_draft[i])
+            tokens[r] = 0
+            tokens[r, :m] = sub.tokens[i, :m]
+            num[r] = m
+            accept[r] = 1.0
+            accept[r, :m] = torch.tensor(self.acceptance(slots[r])[:m])
+            if probs is not None:
+                probs[r] = 0.0
+                probs[r, :m] = sub.probs[i, :m]
+            self._last[slots[r]] = (len(committed[r]), sub.tokens[i, :m].tolist())
+        return Proposal(tokens=tokens, probs=probs, num_draft=num, accept_probs=accept)
