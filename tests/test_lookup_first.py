@@ -98,3 +98,39 @@ def test_rejects_bad_settings():
     with pytest.raises(ValueError):
         LookupFirst(PromptLookup(), prior=1.5)
     assert np.isclose(LookupFirst(PromptLookup(), prior=0.25).acceptance(7)[0], 0.25)
+
+
+def test_eagle_reads_the_targets_features_after_steps_it_did_not_draft():
+    """Steps drafted by lookup only: the head's later catch-up still feeds every committed pair with
+    the target's own feature (kept by observe), as a one-shot forward over them gives."""
+    from test_distill import _greedy_params
+
+    from verispec.config import GenerationConfig, SamplingConfig
+    from verispec.distill.eagle import unrolled_forward
+    from verispec.engine import Engine
+
+    _, target = _fast_target()
+    model, draft = _eagle(target)
+    eagle = EagleProposer(target, draft, max_batch_size=2)
+    proposer = LookupFirst(eagle, draft_cost=0.0, prior=0.0)  # the head is never chosen
+    engine = Engine(target, proposer)
+    config = GenerationConfig(
+        max_new_tokens=40, num_speculative_tokens=3, sampling=SamplingConfig(temperature=0)
+    )
+    seq = engine.new_sequence([3, 14, 15, 9, 26, 3, 14, 15, 9, 26, 3, 14], config)
+    target.reset(1)
+    engine.add(seq, 0)
+    for _ in range(6):
+        engine.step([seq])
+    assert proposer.chosen["draft"] == 0 and seq.stats.draft_tokens > 0
+    committed = list(seq.tokens)
+    eagle.propose([0], [committed], torch.tensor([2]), _greedy_params(), [None])  # catch up
+    n = len(committed)
+    assert eagle._agreed[0] == n - 1
+    _, fresh = _fast_target()
+    fresh.record_hidden = True
+    fresh.forward(torch.tensor([committed[:-1]]), rows=[0], logits="none")
+    feats = torch.cat([fresh.last_hidden, fresh.last_hidden[:, -1:]], dim=1)  # [1, n, hidden]
+    with torch.no_grad():
+        f1, _ = unrolled_forward(model, torch.tensor([committed]), feats, unroll=False)
+    torch.testing.assert_close(eagle._feature[0], f1[0, n - 2], rtol=1e-4, atol=1e-4)

@@ -65,6 +65,9 @@ class EagleProposer:
         self._agreed: dict[int, int] = {}
         """Pairs held in the draft's cache per slot (positions ``0 .. agreed - 1``)."""
         self._feature: dict[int, torch.Tensor] = {}
+        self._stash: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        """Per slot, target features ``(first position, [n, hidden])`` of committed positions kept
+        by :meth:`observe` and not fed yet."""
         """Per slot, the draft's output ``[hidden]`` at position ``agreed - 1``."""
         self._batch = 0
         self._ensure(max_batch_size)
@@ -73,7 +76,7 @@ class EagleProposer:
         if slots > self._batch:
             self.draft.reset(slots)
             self._batch = slots
-            self._agreed, self._feature = {}, {}
+            self._agreed, self._feature, self._stash = {}, {}, {}
 
     def start(self, slot: int, tokens: Sequence[int]) -> None:
         """Feed the prompt's pairs ``(h_t, x_{t+1})`` but the last, from the prefill's recorded features."""
@@ -81,6 +84,7 @@ class EagleProposer:
         self.draft.truncate(torch.zeros(1, dtype=torch.int64), rows=[slot])
         self._agreed[slot] = 0
         self._feature.pop(slot, None)
+        self._stash.pop(slot, None)
         self._feed(slot, list(tokens), len(tokens) - 2)
 
     def propose(
@@ -101,14 +105,14 @@ class EagleProposer:
             return self._propose(slots, committed, num_tokens, params, generators, k)
 
     def observe(self, slots: list[int], committed: list[list[int]]) -> None:
-        """Catch up on the rows' newly committed pairs without drafting (a step in which another
-        drafter proposed for them), so the next proposal reads the target's features, not its own."""
-        with torch_threads(1):
-            for slot, toks in zip(slots, committed):
-                if slot not in self._agreed:
-                    self._ensure(slot + 1)
-                    self._agreed[slot] = 0
-                self._feed(slot, toks, len(toks) - 1)
+        """Keep the target's features of the rows' newly committed positions (a step in which another
+        drafter proposed for them): the next proposal feeds them all in one draft forward, so steps
+        this head does not draft for cost it nothing, and it still reads the target's features."""
+        for slot, toks in zip(slots, committed):
+            start, hidden = self.target.hidden_by_row.get(slot, (0, None))
+            valid = len(toks) - 1 - start  # positions start .. len - 2 held committed inputs
+            if hidden is not None and valid > 0:
+                self._stash.setdefault(slot, []).append((start, hidden[:valid]))
 
     def _propose(
         self,
@@ -154,20 +158,31 @@ class EagleProposer:
 
     def _feed(self, slot: int, tokens: list[int], upto: int) -> None:
         """Roll the slot back to its agreed pairs and feed pairs ``agreed .. upto - 1``
-        (``(h_t, tokens[t + 1])``), with the target's recorded features where they exist.
+        (``(h_t, tokens[t + 1])``), with the target's recorded features: those :meth:`observe` kept
+        and the target's last forward, all in one draft forward.
 
-        Positions the target's last recorded forward does not cover (a step in which this row did not
-        draft overwrote them) are fed one at a time with the draft's own feature, as when drafting:
-        any draft distribution keeps verification exact, so this only costs acceptance.
+        Positions none of them covers (a step in which nobody observed for this row) are fed one at
+        a time with the draft's own feature, as when drafting: any draft distribution keeps
+        verification exact, so this only costs acceptance.
         """
         agreed = self._agreed[slot]
         self.draft.truncate(torch.tensor([agreed]), rows=[slot])
+        chunks = self._stash.pop(slot, [])
         if upto <= agreed:
             return
-        start, hidden = self.target.hidden_by_row.get(slot, (upto, None))
-        first = start if hidden is not None and start + len(hidden) >= upto else upto
-        first = max(first, agreed)
+        latest = self.target.hidden_by_row.get(slot)
+        if latest is not None:
+            chunks.append(latest)
         width = self.draft.model.cfg.hidden_size
+        feats = torch.empty(upto - agreed, width)  # the target's feature at each position agreed .. upto-1
+        have = torch.zeros(upto - agreed, dtype=torch.bool)
+        for start, hidden in chunks:  # later chunks overwrite earlier ones (a re-verified position)
+            lo, hi = max(start, agreed), min(start + len(hidden), upto)
+            if lo < hi:
+                feats[lo - agreed : hi - agreed] = hidden[lo - start : hi - start]
+                have[lo - agreed : hi - agreed] = True
+        missing = torch.nonzero(~have).flatten()
+        first = agreed + (int(missing[-1]) + 1 if len(missing) else 0)  # positions first.. all covered
         for t in range(agreed, first):  # uncovered positions, rare
             feat = self._feature.get(slot, torch.zeros(width))
             self.draft.forward(
@@ -176,8 +191,7 @@ class EagleProposer:
             self._feature[slot] = self.draft.last_features[0, -1]
         if first < upto:
             ids = torch.tensor([tokens[first + 1 : upto + 1]])  # [1, n]
-            feats = hidden[first - start : upto - start][None]  # [1, n, hidden]
-            self.draft.forward(ids, rows=[slot], logits="none", features=feats)
+            self.draft.forward(ids, rows=[slot], logits="none", features=feats[first - agreed :][None])
             self._feature[slot] = self.draft.last_features[0, -1]
         self._agreed[slot] = upto
 
