@@ -134,3 +134,22 @@ def test_eagle_reads_the_targets_features_after_steps_it_did_not_draft():
     with torch.no_grad():
         f1, _ = unrolled_forward(model, torch.tensor([committed]), feats, unroll=False)
     torch.testing.assert_close(eagle._feature[0], f1[0, n - 2], rtol=1e-4, atol=1e-4)
+
+
+def test_default_drafter_is_lookup_first_over_the_shipped_draft(tmp_path, monkeypatch):
+    """No drafter named: LookupFirst over the target's shipped draft; prompt lookup alone when none
+    is shipped for it, or when --prompt-lookup is asked for."""
+    from verispec.commands.drafters import build_proposer
+    from verispec.distill import shipped
+    from verispec.distill.shipped import save_draft, target_id
+
+    _, target = _fast_target()
+    model, _ = _eagle(target)
+    monkeypatch.setattr(shipped, "SHIPPED", tmp_path)
+    assert type(build_proposer(target, None, False)) is PromptLookup  # nothing shipped yet
+    save_draft(tmp_path / "eagle", model, {"target_id": target_id(target)})
+    chosen = build_proposer(target, None, False)
+    assert isinstance(chosen, LookupFirst) and isinstance(chosen.draft, EagleProposer)
+    assert type(build_proposer(target, None, True)) is PromptLookup
+    _, other = _fast_target(seed=1)  # another target: the draft is not its own
+    assert type(build_proposer(other, None, False)) is PromptLookup

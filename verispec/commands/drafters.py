@@ -24,14 +24,22 @@ def build_proposer(
 ) -> Proposer:
     """The proposer named by the options.
 
-    ``--draft-model default`` is the trained draft shipped for the target. With no drafter named we
-    use prompt lookup: the shipped draft for the default model does not yet beat plain decoding on
-    this hardware (benchmarks/DRAFTS.md), and a default must never make generation slower.
+    ``--draft-model default`` is the trained draft shipped for the target. With no drafter named, the
+    default drafter is :class:`~verispec.lookup_first.LookupFirst` over the shipped draft (prompt
+    lookup where it has a good match, the trained draft elsewhere), or prompt lookup alone for a
+    target with no shipped draft (benchmarks/DRAFTS.md has the measurements behind this choice).
     """
     from verispec.models.loading import load_model, load_tokenizer
 
-    if prompt_lookup or draft_model is None:
+    if prompt_lookup:
         return PromptLookup()
+    if draft_model is None:
+        shipped = default_draft_for(target, max_batch_size=max_batch_size)
+        if shipped is None:
+            return PromptLookup()
+        from verispec.lookup_first import LookupFirst
+
+        return LookupFirst(shipped)
     if draft_model == "default":
         shipped = shipped_draft_for(target, max_batch_size=max_batch_size)
         if shipped is None:
@@ -53,6 +61,17 @@ def build_proposer(
         device=str(getattr(target, "device", "cpu")),  # the draft runs where the target does
     )
     return make_proposer(target, draft, max_batch_size=max_batch_size)
+
+
+def default_draft_for(target: KVModel, max_batch_size: int = 1) -> Proposer | None:
+    """The shipped draft when it can run with this target (a CPU target of the fast path), else None."""
+    from verispec.config import ConfigError
+
+    try:
+        return shipped_draft_for(target, max_batch_size=max_batch_size)
+    except ConfigError as exc:  # a GPU target, or a target that records no hidden states
+        log.info("the shipped draft cannot run here (%s); drafting by prompt lookup", exc)
+        return None
 
 
 def shipped_draft_for(target: KVModel, max_batch_size: int = 1) -> Proposer | None:
