@@ -110,21 +110,36 @@ def costs_for(target: object) -> StepCosts:
         return StepCosts()
 
 
-def best_draft_length(accept_probs: Sequence[float], costs: Sequence[float]) -> int:
+EXTRA_COST_WEIGHT = 1.5
+"""Weight on the measured extra cost of a wider step when choosing the draft length: drafting L
+tokens is judged to cost ``1 + EXTRA_COST_WEIGHT * (v(L + 1) - 1)``, so a copied token must be
+accepted 1.5 times as often as break-even (with int8 weights, where a 2-token step costs 1.17, 26%
+rather than 17%). The figures it weighs are estimates: acceptance learned from a few dozen tokens and
+picked where it looks highest, costs from medians of recent steps on a shared machine; a draft that
+promises little more than break-even loses about as often as it wins, each time at the full price
+of the wider step. Chosen by replaying the rule on held-out Spec-Bench outputs
+(``benchmarks/lookup_rule.py``, questions 6-9 of each category): weight 1.5 beat 1 (the plain
+figures) at both weight formats, with the costs as measured and with them underestimated."""
+
+
+def best_draft_length(
+    accept_probs: Sequence[float], costs: Sequence[float], extra_cost_weight: float = EXTRA_COST_WEIGHT
+) -> int:
     """The draft length L in 0..len(accept_probs) with the most expected tokens per unit of cost.
 
     ``accept_probs[i]``: the chance draft token i is accepted given that tokens 0..i-1 were;
     ``costs[L]``: the cost of verifying L drafts (a step of L + 1 tokens) relative to a plain step
     (``costs[0]`` = 1). A step emits one token plus every accepted draft token, so drafting L yields
     ``1 + sum_{i<L} prod_{j<=i} accept_probs[j]`` tokens for ``costs[L]``; L = 0 (a plain step,
-    1 token for 1) wins whenever no draft pays for its verification.
+    1 token for 1) wins whenever no draft pays for its verification. Each cost's excess over a plain
+    step is weighed by ``extra_cost_weight`` (see :data:`EXTRA_COST_WEIGHT`).
     """
     best, best_rate = 0, 1.0 / costs[0]
     tokens, reach = 1.0, 1.0
     for length, p in enumerate(accept_probs[: len(costs) - 1], start=1):
         reach *= p
         tokens += reach
-        rate = tokens / costs[length]
+        rate = tokens / (1.0 + extra_cost_weight * (costs[length] - 1.0))
         if rate > best_rate:
             best, best_rate = length, rate
     return best
