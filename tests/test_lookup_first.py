@@ -153,3 +153,12 @@ def test_default_drafter_is_lookup_first_over_the_shipped_draft(tmp_path, monkey
     assert type(build_proposer(target, None, True)) is PromptLookup
     _, other = _fast_target(seed=1)  # another target: the draft is not its own
     assert type(build_proposer(other, None, False)) is PromptLookup
+
+
+def test_eagle_token_seconds_leaves_the_proposer_alone():
+    _, target = _fast_target()
+    _, draft = _eagle(target)
+    eagle = EagleProposer(target, draft, max_batch_size=2)
+    before = draft.lengths.clone()
+    seconds = eagle.token_seconds(reps=3)
+    assert 0 < seconds < 1 and torch.equal(draft.lengths, before)

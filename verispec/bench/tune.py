@@ -72,12 +72,17 @@ def run(args: argparse.Namespace) -> int:
 
     resolve(args.model)
     target = load_model(args.model, backend=args.backend, dtype=args.dtype, device=args.device)
-    proposer = build_proposer(target, args.draft_model, args.prompt_lookup, backend=args.backend)
+    # No drafter named: tune the shipped draft alone (build_proposer falls back to lookup without one);
+    # the default drafter's mixture with lookup has no single k to tune.
+    name = args.draft_model or (None if args.prompt_lookup else "default")
+    proposer = build_proposer(target, name, args.prompt_lookup, backend=args.backend)
     method = "prompt-lookup" if isinstance(proposer, PromptLookup) else "draft-model"
 
     step = forward_seconds(target, [1])[1]
     if isinstance(proposer, DraftModelProposer):
         draft_cost = forward_seconds(proposer.model, [1])[1] / step
+    elif hasattr(proposer, "token_seconds"):  # an EAGLE head
+        draft_cost = proposer.token_seconds() / step
     else:
         draft_cost = lookup_seconds(proposer) / step
     verify = verify_costs(target, list(range(1, args.k_max + 2)))

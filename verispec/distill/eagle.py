@@ -104,6 +104,23 @@ class EagleProposer:
         with torch_threads(1):
             return self._propose(slots, committed, num_tokens, params, generators, k)
 
+    def token_seconds(self, reps: int = 21) -> float:
+        """Median seconds one draft token costs as :meth:`propose` makes it (head scores, then one
+        step of the layer on its own feature, one thread), on a scratch cache of the same model."""
+        import statistics
+
+        scratch = DraftKV(self.draft.model, max_length=8)
+        feat = torch.randn(1, self.draft.model.cfg.hidden_size)
+        times = []
+        with torch_threads(1):
+            for _ in range(reps + 1):
+                scratch.truncate(torch.zeros(1, dtype=torch.int64), rows=[0])
+                start = time.perf_counter()
+                tok = scratch.logits(feat).argmax(-1)  # [1]
+                scratch.forward(tok[:, None], rows=[0], logits="none", features=feat[:, None])
+                times.append(time.perf_counter() - start)
+        return statistics.median(times[1:])
+
     def observe(self, slots: list[int], committed: list[list[int]]) -> None:
         """Keep the target's features of the rows' newly committed positions (a step in which another
         drafter proposed for them): the next proposal feeds them all in one draft forward, so steps
