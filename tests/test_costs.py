@@ -7,13 +7,7 @@ import pytest
 import torch
 
 from verispec.config import GenerationConfig, SamplingConfig
-from verispec.costs import (
-    EXTRA_COST_WEIGHT,
-    PRIOR_EXTRA_TOKEN_COST,
-    StepCosts,
-    best_draft_length,
-    costs_for,
-)
+from verispec.costs import PRIOR_EXTRA_TOKEN_COST, StepCosts, best_draft_length, costs_for
 from verispec.engine import Engine
 from verispec.models.toy import LogitsModel
 from verispec.proposers import LOOKUP_ACCEPTANCE_PRIOR, PromptLookup
@@ -91,14 +85,13 @@ def test_length_rule_trades_expected_tokens_against_cost() -> None:
 
 def test_a_draft_must_beat_break_even_by_the_weight_on_extra_cost() -> None:
     int8 = [1.0, 1.17, 1.25]  # a 2-token step: 1.17, so one copied token breaks even at 17%
-    assert EXTRA_COST_WEIGHT == pytest.approx(1.5)
-    assert best_draft_length([0.2], int8, extra_cost_weight=1.0) == 1  # 1.2 tokens for 1.17
-    assert best_draft_length([0.2], int8) == 0  # but weighed 1 + 1.5 * 0.17: below break-even
-    assert best_draft_length([0.25], int8) == 0
-    assert best_draft_length([0.27], int8) == 1  # above 1.5 times break-even: drafted
-    # The weight scales with the extra cost: float32's 5% a token needs only 7.5%.
-    assert best_draft_length([0.08], [1.0, 1.05]) == 1
-    assert best_draft_length([0.07], [1.0, 1.05]) == 0
+    assert best_draft_length([0.2], int8) == 1  # 1.2 tokens for 1.17 (the default weight is 1)
+    assert best_draft_length([0.2], int8, extra_cost_weight=1.5) == 0  # 1.2 for 1 + 1.5 * 0.17
+    assert best_draft_length([0.25], int8, extra_cost_weight=1.5) == 0
+    assert best_draft_length([0.27], int8, extra_cost_weight=1.5) == 1  # 1.5 times break-even
+    # The margin scales with the extra cost: float32's 5% a token needs only 7.5%.
+    assert best_draft_length([0.08], [1.0, 1.05], extra_cost_weight=1.5) == 1
+    assert best_draft_length([0.07], [1.0, 1.05], extra_cost_weight=1.5) == 0
 
 
 def test_step_costs_are_ratios_to_the_one_token_step() -> None:
