@@ -21,8 +21,9 @@ Cache bookkeeping, per slot: the draft's cache holds the pairs of positions ``0 
 target's cache holds the committed tokens but the pending last one (``base.py``), so after a step with
 ``N`` committed tokens the target has recorded features up to position ``N - 2`` and the pairs
 ``agreed .. N - 2`` are fed in one call; the last one's output predicts the token after the pending
-one. ``start`` leaves the prompt's last pair for the first ``propose``, so every proposal has a
-fresh feature.
+one. ``start`` and ``observe`` only keep the target's features (of the prompt, of steps another
+drafter drafted); the next ``propose`` feeds every pending pair in one call, so every proposal has
+a fresh feature and a row that never drafts never pays for the draft's forwards.
 
 Training (:func:`eagle_loss`): teacher forcing on the target's features (soft cross-entropy against
 the target's top-32 distribution, plus smooth-L1 feature regression), and a second step unrolled
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -79,13 +81,15 @@ class EagleProposer:
             self._agreed, self._feature, self._stash = {}, {}, {}
 
     def start(self, slot: int, tokens: Sequence[int]) -> None:
-        """Feed the prompt's pairs ``(h_t, x_{t+1})`` but the last, from the prefill's recorded features."""
+        """Keep the prefill's recorded features of the prompt; the first proposal feeds its pairs
+        ``(h_t, x_{t+1})`` (a row that never drafts, under :class:`~verispec.lookup_first.LookupFirst`,
+        never pays for them)."""
         self._ensure(slot + 1)
         self.draft.truncate(torch.zeros(1, dtype=torch.int64), rows=[slot])
         self._agreed[slot] = 0
         self._feature.pop(slot, None)
         self._stash.pop(slot, None)
-        self._feed(slot, list(tokens), len(tokens) - 2)
+        self.observe([slot], [list(tokens)])
 
     def propose(
         self,
@@ -101,6 +105,14 @@ class EagleProposer:
         k = int(num_tokens.max()) if batch else 0
         if k == 0:
             return _empty(batch)
+        pending = sum(len(toks) - 1 - self._agreed.get(slot, 0) for slot, toks in zip(slots, committed))
+        # A prompt's worth of pairs is a prefill: all threads pay there. A step's few pairs are not.
+        with torch_threads(1) if pending <= 32 else nullcontext():
+            for slot, toks in zip(slots, committed):
+                if slot not in self._agreed:  # the proposer was resized under this row: start it again
+                    self._ensure(slot + 1)
+                    self._agreed[slot] = 0
+                self._feed(slot, toks, len(toks) - 1)
         with torch_threads(1):
             return self._propose(slots, committed, num_tokens, params, generators, k)
 
@@ -141,11 +153,6 @@ class EagleProposer:
         k: int,
     ) -> Proposal:
         batch = len(slots)
-        for slot, toks in zip(slots, committed):
-            if slot not in self._agreed:  # the proposer was resized under this row: start it again
-                self._ensure(slot + 1)
-                self._agreed[slot] = 0
-            self._feed(slot, toks, len(toks) - 1)
         # A row with no pair yet (a one-token prompt before its first target step) drafts nothing.
         ready = torch.tensor([s in self._feature for s in slots])
         num_draft = torch.where(ready, num_tokens, torch.zeros_like(num_tokens))
