@@ -162,3 +162,17 @@ def test_eagle_token_seconds_leaves_the_proposer_alone():
     before = draft.lengths.clone()
     seconds = eagle.token_seconds(reps=3)
     assert 0 < seconds < 1 and torch.equal(draft.lengths, before)
+
+
+def test_memory_report_finds_the_draft_behind_lookup_first():
+    from verispec.commands.generate import memory_report
+
+    _, target = _fast_target()
+    _, draft = _eagle(target)
+    eagle = EagleProposer(target, draft, max_batch_size=2)
+    for proposer in (eagle, LookupFirst(eagle)):
+        report = memory_report(target, proposer)
+        assert report["draft_total"] == draft.memory_bytes() > 0 and "target_kv_cache" in report
+    assert not any(k.startswith("draft") for k in memory_report(target, PromptLookup()))
+    small = DraftModelProposer(as_kvmodel(tiny_draft := _fast_target(seed=1)[1]))
+    assert memory_report(target, small)["draft_kv_cache"] == tiny_draft.cache_bytes()

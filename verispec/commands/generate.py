@@ -145,7 +145,7 @@ class _Streamer:
 def memory_report(target, proposer) -> dict[str, int]:
     """Bytes that speculation adds (draft weights, both KV caches), where the models report them."""
     out: dict[str, int] = {}
-    draft = getattr(proposer, "model", None)
+    draft = _draft_model(proposer)
     for name, model in (("target", target), ("draft", draft)):
         if model is None:
             continue
@@ -160,6 +160,17 @@ def memory_report(target, proposer) -> dict[str, int]:
             if callable(fn):
                 out[f"{name}_{what}"] = int(fn())
     return out
+
+
+def _draft_model(proposer) -> object | None:
+    """The model behind a proposer: a draft model's KVModel, an EAGLE head's cache (also when it sits
+    behind lookup first); None for prompt lookup."""
+    found = proposer
+    for _ in range(3):  # LookupFirst -> EagleProposer -> DraftKV
+        found = getattr(found, "model", None) or getattr(found, "draft", None)
+        if found is None or any(hasattr(found, m) for m in ("memory_bytes", "cache_bytes")):
+            return found
+    return None
 
 
 def format_stats(stats: dict) -> str:
