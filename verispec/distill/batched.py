@@ -11,8 +11,8 @@ This module does every stage batched on one device, for a machine with a GPU:
    next-token distribution over each answer;
 3. :func:`verispec.distill.eagle.eagle_loss` trains a fresh head (layer ``--layer`` of the target,
    ``fc`` as in :func:`verispec.distill.shipped.build_draft`) with AdamW and a cosine schedule;
-4. the head's float16 weights, its vocabulary and a summary (held-out top-1 agreement by round)
-   are written to ``--out``; ``python -m verispec.distill.package`` turns them into a draft folder
+4. the head's float16 weights, its vocabulary and a summary (answering rounds, held-out top-1 history)
+   are written to ``--out``; ``python -m verispec.distill.batched package`` turns them into a draft folder
    on a machine that has the tokenizer.
 
 Prompts come pre-tokenised (``--prompts``: a ``torch.save`` of ``{"prompts": [[ids]], "eos": [ids]}``),
