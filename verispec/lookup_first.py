@@ -11,8 +11,8 @@ cost. The engine then cuts either to the length worth verifying at the measured 
 (``Proposal.accept_probs``), and verification is the same exact rejection sampling either way: the
 choice only moves speed, never the output distribution.
 
-The draft keeps up with every committed token even in steps it does not draft (``observe``), so
-its state is the same whichever drafter a row used last.
+The draft is shown every committed token even in steps it does not draft (``observe``), so its
+state is the same whichever drafter a row used last.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from verispec.proposers import PromptLookup, Proposal, Proposer, _empty
+from verispec.proposers import AcceptanceCounts, PromptLookup, Proposal, Proposer, _empty
 from verispec.sampling import SamplingTensors
 
 DRAFT_ACCEPTANCE_PRIOR = 0.4
@@ -62,40 +62,19 @@ class LookupFirst:
         self.lookup = lookup if lookup is not None else PromptLookup()
         self.draft_tokens = draft_tokens
         self.draft_cost = float(draft_cost)
-        self.prior = float(prior)
-        self.prior_weight = float(prior_weight)
-        self._counts: dict[int, np.ndarray] = {}
-        """Per slot, ``[draft_tokens, 2]``: the draft's tokens accepted and observed, by position."""
-        self._last: dict[int, tuple[int, list[int]]] = {}
-        """Per slot, the draft's previous proposal: (tokens committed then, tokens proposed)."""
+        self._stats = AcceptanceCounts([prior] * draft_tokens, prior_weight)
+        """The draft's acceptance by position in its proposal, learned per slot."""
         self.chosen = {"lookup": 0, "draft": 0}
         """Rows that took each drafter's proposal, over the proposer's life."""
 
     def start(self, slot: int, tokens: Sequence[int]) -> None:
         self.lookup.start(slot, tokens)
         self.draft.start(slot, tokens)
-        self._counts[slot] = np.zeros((self.draft_tokens, 2))
-        self._last.pop(slot, None)
+        self._stats.start(slot)
 
     def acceptance(self, slot: int) -> list[float]:
         """The draft's estimated conditional acceptance at each position for this slot."""
-        counts = self._counts.get(slot)
-        if counts is None:
-            counts = np.zeros((self.draft_tokens, 2))
-        w = self.prior_weight
-        return [float((self.prior * w + ok) / (w + seen)) for ok, seen in counts]
-
-    def _learn(self, slot: int, toks: Sequence[int]) -> None:
-        last = self._last.pop(slot, None)
-        counts = self._counts.get(slot)
-        if last is None or counts is None:
-            return
-        at, draft = last
-        for i, (proposed, got) in enumerate(zip(draft, toks[at : at + len(draft)])):
-            counts[i, 1] += 1
-            if proposed != got:
-                break
-            counts[i, 0] += 1
+        return [self._stats.estimate(slot, i) for i in range(self.draft_tokens)]
 
     def propose(
         self,
@@ -110,16 +89,16 @@ class LookupFirst:
         if k == 0:
             return _empty(batch)
         for slot, toks in zip(slots, committed):
-            self._learn(slot, toks)
+            self._stats.learn(slot, toks)
         look = self.lookup.propose(slots, committed, num_tokens, params, generators)
+        assert look.accept_probs is not None  # prompt lookup always estimates its tokens
         n_draft = min(k, self.draft_tokens)
+        estimates = [self.acceptance(slot)[:n_draft] for slot in slots]
         use_draft = []
-        for row, slot in enumerate(slots):
+        for row, est in enumerate(estimates):
             n = int(look.num_draft[row])
-            a = look.accept_probs[row, :n] if look.accept_probs is not None else torch.ones(n)
-            from_lookup = float(torch.cumprod(a, 0).sum()) if n else 0.0
-            est = np.cumprod(self.acceptance(slot)[:n_draft])
-            from_draft = float(est.sum()) - self.draft_cost * n_draft
+            from_lookup = float(torch.cumprod(look.accept_probs[row, :n], 0).sum())
+            from_draft = float(np.cumprod(est).sum()) - self.draft_cost * n_draft
             use_draft.append(int(num_tokens[row]) > 0 and from_draft > from_lookup)
         rows = [r for r, u in enumerate(use_draft) if u]
         rest = [r for r, u in enumerate(use_draft) if not u]
@@ -137,27 +116,23 @@ class LookupFirst:
             params.select(rows),
             [generators[r] for r in rows],
         )
-        width = max(k, sub.tokens.shape[1])
-        tokens = torch.zeros(batch, width, dtype=torch.int64)
-        tokens[:, : look.tokens.shape[1]] = look.tokens
+        tokens = look.tokens.clone()  # [B, k]; the draft's rows are at most n_draft <= k wide
         num = look.num_draft.clone()
-        accept = torch.ones(batch, width)
-        if look.accept_probs is not None:
-            accept[:, : look.accept_probs.shape[1]] = look.accept_probs
+        accept = look.accept_probs.clone()
         probs = None
         if sub.probs is not None:  # sampling: lookup's rows are point masses on their tokens
-            vocab = sub.probs.shape[-1]
-            probs = torch.zeros(batch, width, vocab, dtype=sub.probs.dtype)
+            probs = torch.zeros(batch, k, sub.probs.shape[-1], dtype=sub.probs.dtype)
             probs.scatter_(2, tokens[:, :, None], 1.0)
         for i, r in enumerate(rows):
             m = int(sub.num_draft[i])
+            drafted = sub.tokens[i, :m]
             tokens[r] = 0
-            tokens[r, :m] = sub.tokens[i, :m]
+            tokens[r, :m] = drafted
             num[r] = m
             accept[r] = 1.0
-            accept[r, :m] = torch.tensor(self.acceptance(slots[r])[:m])
+            accept[r, :m] = torch.tensor(estimates[r][:m])
             if probs is not None:
                 probs[r] = 0.0
                 probs[r, :m] = sub.probs[i, :m]
-            self._last[slots[r]] = (len(committed[r]), sub.tokens[i, :m].tolist())
+            self._stats.remember(slots[r], len(committed[r]), range(m), drafted.tolist())
         return Proposal(tokens=tokens, probs=probs, num_draft=num, accept_probs=accept)

@@ -200,6 +200,52 @@ uses the first ones): ``python benchmarks/lookup_acceptance.py --skip 5 --per-ca
 and 0.94 (1486); the last two, mostly a few long copies in extraction and translation, are pooled."""
 
 
+class AcceptanceCounts:
+    """Per-slot estimates of a drafter's chance of acceptance, one per bucket, learned from the
+    tokens committed after each proposal.
+
+    Each bucket's ``prior`` probability counts as ``prior_weight`` observations. A proposal is
+    remembered with the bucket of each of its tokens and scored at the next one against what the
+    target committed meanwhile (as verification decided or, past the verified drafts, as the target's
+    own next tokens went): every token up to and including the first miss is an observation.
+    """
+
+    def __init__(self, prior: Sequence[float], prior_weight: float):
+        self.prior = tuple(float(p) for p in prior)
+        self.prior_weight = float(prior_weight)
+        self._counts: dict[int, np.ndarray] = {}
+        """Per slot, ``[buckets, 2]``: tokens accepted and observed, by bucket."""
+        self._last: dict[int, tuple[int, list[int], list[int]]] = {}
+        """Per slot, the previous proposal: (tokens committed then, its tokens' buckets, its tokens)."""
+
+    def start(self, slot: int) -> None:
+        """A new sequence in ``slot``: forget what the previous one taught."""
+        self._counts[slot] = np.zeros((len(self.prior), 2))
+        self._last.pop(slot, None)
+
+    def estimate(self, slot: int, bucket: int) -> float:
+        counts = self._counts.get(slot)
+        ok, seen = (0.0, 0.0) if counts is None else counts[bucket]
+        return (self.prior[bucket] * self.prior_weight + ok) / (self.prior_weight + seen)
+
+    def remember(self, slot: int, at: int, buckets: Sequence[int], tokens: Sequence[int]) -> None:
+        """A proposal of ``tokens`` made when ``at`` tokens were committed."""
+        self._last[slot] = (at, list(buckets), list(tokens))
+
+    def learn(self, slot: int, committed: Sequence[int]) -> None:
+        """Score the slot's previous proposal against the tokens committed since."""
+        last = self._last.pop(slot, None)
+        counts = self._counts.get(slot)
+        if last is None or counts is None:
+            return
+        at, buckets, draft = last
+        for b, proposed, got in zip(buckets, draft, committed[at : at + len(draft)]):
+            counts[b, 1] += 1
+            if proposed != got:
+                break
+            counts[b, 0] += 1
+
+
 def lookup_bucket(length: int) -> int:
     """Index of the :data:`LOOKUP_BUCKETS` bucket holding match length ``length`` (>= 1)."""
     return int(np.searchsorted(LOOKUP_BUCKETS, length, side="right")) - 1
@@ -243,39 +289,24 @@ class PromptLookup:
         """Shortest match worth proposing from."""
         self.tokens_per_match = tokens_per_match
         """If set, at most this many draft tokens per matched token (a fixed rule; None: as many as k)."""
-        self.prior = tuple(float(p) for p in prior)
-        self.prior_weight = float(prior_weight)
-        self._counts: dict[int, np.ndarray] = {}
-        """Per slot, ``[buckets, 2]``: copied tokens accepted and observed, by match-length bucket."""
-        self._last: dict[int, tuple[int, int, list[int]]] = {}
-        """Per slot, the previous proposal: (tokens committed then, match length, tokens proposed)."""
+        self._stats = AcceptanceCounts(prior, prior_weight)
+        """Acceptance by match-length bucket, learned per slot."""
+
+    @property
+    def prior(self) -> tuple[float, ...]:
+        return self._stats.prior
+
+    @property
+    def prior_weight(self) -> float:
+        return self._stats.prior_weight
 
     def start(self, slot: int, tokens: Sequence[int]) -> None:
         """A new sequence: forget what the slot's previous one taught."""
-        self._counts[slot] = np.zeros((len(LOOKUP_BUCKETS), 2))
-        self._last.pop(slot, None)
+        self._stats.start(slot)
 
     def acceptance(self, slot: int, length: int) -> float:
         """Estimated chance that the token copied after a match of ``length`` tokens is accepted."""
-        b = lookup_bucket(length)
-        counts = self._counts.get(slot)
-        ok, seen = (0.0, 0.0) if counts is None else counts[b]
-        return (self.prior[b] * self.prior_weight + ok) / (self.prior_weight + seen)
-
-    def _learn(self, slot: int, toks: Sequence[int]) -> None:
-        """Score the slot's previous proposal against the tokens committed since."""
-        last = self._last.pop(slot, None)
-        counts = self._counts.get(slot)
-        if last is None or counts is None:
-            return
-        at, length, draft = last
-        new = toks[at : at + len(draft)]
-        for i, (proposed, got) in enumerate(zip(draft, new)):
-            b = lookup_bucket(length + i)
-            counts[b, 1] += 1
-            if proposed != got:
-                break
-            counts[b, 0] += 1
+        return self._stats.estimate(slot, lookup_bucket(length))
 
     def propose(
         self,
@@ -295,18 +326,17 @@ class PromptLookup:
         accept = torch.zeros(batch, k)
         num_draft = torch.zeros(batch, dtype=torch.int64)
         for row, (slot, toks) in enumerate(zip(slots, committed)):
-            self._learn(slot, toks)
+            self._stats.learn(slot, toks)
             a = np.asarray(toks, dtype=np.int64)
             start, length = self.match(a)
             if length < self.min_ngram:
                 continue
             found = a[start : start + self._cap(length, int(num_tokens[row]))].tolist()
+            buckets = [lookup_bucket(length + i) for i in range(len(found))]
             tokens[row, : len(found)] = torch.tensor(found, dtype=torch.int64)
-            accept[row, : len(found)] = torch.tensor(
-                [self.acceptance(slot, length + i) for i in range(len(found))]
-            )
+            accept[row, : len(found)] = torch.tensor([self._stats.estimate(slot, b) for b in buckets])
             num_draft[row] = len(found)
-            self._last[slot] = (len(toks), length, found)
+            self._stats.remember(slot, len(toks), buckets, found)
         return Proposal(tokens=tokens, probs=None, num_draft=num_draft, accept_probs=accept)
 
     def _cap(self, length: int, k: int) -> int:
