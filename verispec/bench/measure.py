@@ -139,6 +139,26 @@ def verify_costs(model, widths: list[int], context: int = 200, reps: int = 9) ->
     return {t: secs[t] / secs[1] for t in secs}
 
 
+def eagle_token_seconds(proposer, reps: int = 21) -> float:
+    """Median seconds one draft token of an :class:`~verispec.distill.eagle.EagleProposer` costs as
+    it drafts (head scores, then one step of its layer on its own feature, one thread), on a scratch
+    cache of the same model so the proposer's own state is left alone."""
+    from verispec.distill.model import DraftKV
+    from verispec.models.threads import torch_threads
+
+    scratch = DraftKV(proposer.draft.model, max_length=8)
+    feat = torch.randn(1, proposer.draft.model.cfg.hidden_size)
+
+    def one() -> None:
+        scratch.truncate(torch.zeros(1, dtype=torch.int64), rows=[0])
+        tok = scratch.logits(feat).argmax(-1)  # [1]
+        scratch.forward(tok[:, None], rows=[0], logits="none", features=feat[:, None])
+
+    with torch_threads(1):
+        one()  # warm-up
+        return _median_seconds(one, reps)
+
+
 def lookup_seconds(lookup, length: int = 600, k: int = 4, reps: int = 21) -> float:
     """Median seconds of one prompt-lookup call over a ``length``-token history."""
     gen = torch.Generator().manual_seed(0)

@@ -15,6 +15,7 @@ import json
 from verispec.bench.measure import (
     conditional_acceptance,
     draft_fraction,
+    eagle_token_seconds,
     forward_seconds,
     lookup_seconds,
     predicted_speedup,
@@ -67,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
     categories = [c.strip() for c in (args.categories or "").split(",") if c.strip()] or None
     prompts = select(load_prompts(args.prompts), categories, args.per_category)
     from verispec.commands.drafters import build_proposer
+    from verispec.distill.eagle import EagleProposer
     from verispec.models.loading import load_model, resolve
     from verispec.tokenizers import encode_prompt
 
@@ -81,8 +83,8 @@ def run(args: argparse.Namespace) -> int:
     step = forward_seconds(target, [1])[1]
     if isinstance(proposer, DraftModelProposer):
         draft_cost = forward_seconds(proposer.model, [1])[1] / step
-    elif hasattr(proposer, "token_seconds"):  # an EAGLE head
-        draft_cost = proposer.token_seconds() / step
+    elif isinstance(proposer, EagleProposer):
+        draft_cost = eagle_token_seconds(proposer) / step
     else:
         draft_cost = lookup_seconds(proposer) / step
     verify = verify_costs(target, list(range(1, args.k_max + 2)))

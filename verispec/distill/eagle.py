@@ -114,24 +114,7 @@ class EagleProposer:
                     self._agreed[slot] = 0
                 self._feed(slot, toks, len(toks) - 1)
         with torch_threads(1):
-            return self._propose(slots, committed, num_tokens, params, generators, k)
-
-    def token_seconds(self, reps: int = 21) -> float:
-        """Median seconds one draft token costs as :meth:`propose` makes it (head scores, then one
-        step of the layer on its own feature, one thread), on a scratch cache of the same model."""
-        import statistics
-
-        scratch = DraftKV(self.draft.model, max_length=8)
-        feat = torch.randn(1, self.draft.model.cfg.hidden_size)
-        times = []
-        with torch_threads(1):
-            for _ in range(reps + 1):
-                scratch.truncate(torch.zeros(1, dtype=torch.int64), rows=[0])
-                start = time.perf_counter()
-                tok = scratch.logits(feat).argmax(-1)  # [1]
-                scratch.forward(tok[:, None], rows=[0], logits="none", features=feat[:, None])
-                times.append(time.perf_counter() - start)
-        return statistics.median(times[1:])
+            return self._draft_tokens(slots, num_tokens, params, generators, k)
 
     def observe(self, slots: list[int], committed: list[list[int]]) -> None:
         """Keep the target's features of the rows' newly committed positions (a step in which another
@@ -143,15 +126,10 @@ class EagleProposer:
             if hidden is not None and valid > 0:
                 self._stash.setdefault(slot, []).append((start, hidden[:valid]))
 
-    def _propose(
-        self,
-        slots: list[int],
-        committed: list[list[int]],
-        num_tokens: torch.Tensor,
-        params: SamplingTensors,
-        generators: Sequence[torch.Generator | None],
-        k: int,
+    def _draft_tokens(
+        self, slots: list[int], num_tokens: torch.Tensor, params: SamplingTensors, generators, k: int
     ) -> Proposal:
+        """Up to ``num_tokens`` (``[B]``, max ``k``) tokens per caught-up row, by feature autoregression."""
         batch = len(slots)
         # A row with no pair yet (a one-token prompt before its first target step) drafts nothing.
         ready = torch.tensor([s in self._feature for s in slots])
@@ -259,9 +237,10 @@ def read_features(folder: str | Path) -> list[torch.Tensor]:
 
 
 def batch_features(features: Sequence[torch.Tensor], index: torch.Tensor, length: int) -> torch.Tensor:
-    """``[B, length, hidden]`` float32 features of the corpus sequences ``index`` ``[B]``, zero-padded."""
-    width = features[int(index[0])].shape[-1]
-    out = torch.zeros(len(index), length, width)
+    """``[B, length, hidden]`` float32 features of the corpus sequences ``index`` ``[B]``, zero-padded,
+    on the features' device."""
+    first = features[int(index[0])]
+    out = torch.zeros(len(index), length, first.shape[-1], device=first.device)
     for b, i in enumerate(index.tolist()):
         n = min(length, features[i].shape[0])
         out[b, :n] = features[i][:n].float()
