@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 
-from verispec.distill.eagle import eagle_loss
+from verispec.distill.eagle import batch_features, eagle_loss
 from verispec.distill.model import DraftLM
 from verispec.distill.shipped import build_draft
-from verispec.distill.train import choose_vocab, new_config
+from verispec.distill.train import choose_vocab, make_batches, new_config
 
 TOP = 32
 """Labels per position: the target's top-32 tokens and their probabilities."""
@@ -161,44 +161,14 @@ def batches(
     seed: int,
 ) -> list[tuple[torch.Tensor, ...]]:
     """Padded training batches ``(ids [B, T], lab [B, T, K], prob [B, T, K], feats [B, T, hidden])`` on
-    the corpus' device, as :func:`verispec.distill.train.make_batches` builds them (label at ``t`` =
-    the target's distribution of ``ids[t + 1]``; ``lab`` indexes the head's vocabulary)."""
-    import random
-
-    dev = corpus[0]["ids"].device
-    to_sub = torch.full((vocab_size,), -1, dtype=torch.int64, device=dev)
-    to_sub[vocab_ids.to(dev)] = torch.arange(len(vocab_ids), device=dev)
-    order = sorted(range(len(corpus)), key=lambda i: len(corpus[i]["ids"]))
-    groups: list[list[int]] = []
-    for i in order:
-        longest = min(len(corpus[i]["ids"]), max_len)
-        if groups and longest * (len(groups[-1]) + 1) <= batch_tokens:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    random.Random(seed).shuffle(groups)
-    out = []
-    hidden = corpus[0]["feats"].shape[-1]
-    for g in groups:
-        t = min(max(len(corpus[i]["ids"]) for i in g), max_len)
-        ids = torch.zeros(len(g), t, dtype=torch.int64, device=dev)
-        lab = torch.full((len(g), t, TOP), -1, dtype=torch.int64, device=dev)
-        prob = torch.zeros(len(g), t, TOP, device=dev)
-        feats = torch.zeros(len(g), t, hidden, device=dev)
-        for b, i in enumerate(g):
-            seq = corpus[i]
-            n = min(len(seq["ids"]), t)
-            ids[b, :n] = seq["ids"][:n]
-            feats[b, :n] = seq["feats"][:n].float()
-            s = seq["start"]
-            m = min(len(seq["top_ids"]), n - s + 1)
-            if m > 0:
-                lab[b, s - 1 : s - 1 + m] = to_sub[seq["top_ids"][:m].long()]
-                prob[b, s - 1 : s - 1 + m] = seq["top_logp"][:m].float().exp()
-        prob[lab < 0] = 0.0
-        if prob.sum() > 0:
-            out.append((ids, lab.clamp(min=0), prob, feats))
-    return out
+    the corpus' device: :func:`verispec.distill.train.make_batches` with each batch's features."""
+    features = [seq["feats"] for seq in corpus]
+    return [
+        (ids, lab, prob, batch_features(features, index, ids.shape[1]))
+        for ids, lab, prob, index in make_batches(
+            corpus, vocab_ids, vocab_size, batch_tokens=batch_tokens, max_len=max_len, seed=seed
+        )
+    ]
 
 
 def train(

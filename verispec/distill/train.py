@@ -68,9 +68,11 @@ def make_batches(
 
     ``label_idx[b, t]`` are positions in ``vocab_ids`` of the target's top next tokens after
     ``ids[b, : t + 1]`` (-1: outside the subset or no label), ``label_p`` their target probabilities.
+    Batches are built on the device the corpus' tensors are on (``index`` stays on the CPU).
     """
-    to_sub = torch.full((vocab_size,), -1, dtype=torch.int64)
-    to_sub[vocab_ids] = torch.arange(len(vocab_ids))
+    dev = corpus[0]["ids"].device
+    to_sub = torch.full((vocab_size,), -1, dtype=torch.int64, device=dev)
+    to_sub[vocab_ids.to(dev)] = torch.arange(len(vocab_ids), device=dev)
     order = sorted(range(len(corpus)), key=lambda i: len(corpus[i]["ids"]))
     groups: list[list[int]] = []
     for i in order:
@@ -84,9 +86,9 @@ def make_batches(
     for g in groups:
         t = min(max(len(corpus[i]["ids"]) for i in g), max_len)
         k = corpus[g[0]]["top_ids"].shape[1]
-        ids = torch.zeros(len(g), t, dtype=torch.int64)
-        lab = torch.full((len(g), t, k), -1, dtype=torch.int64)
-        prob = torch.zeros(len(g), t, k)
+        ids = torch.zeros(len(g), t, dtype=torch.int64, device=dev)
+        lab = torch.full((len(g), t, k), -1, dtype=torch.int64, device=dev)
+        prob = torch.zeros(len(g), t, k, device=dev)
         for b, i in enumerate(g):
             seq = corpus[i]
             n = min(len(seq["ids"]), t)
