@@ -243,14 +243,16 @@ class Engine:
         widest = int(num_draft.max()) if len(num_draft) else 0
         if widest == 0:
             return num_draft
-        measured = self.costs.ratios(widest + 1, batch)
-        prior = prior_ratios(widest + 1)
+        curves: dict[bool, list[float]] = {}  # built once per step, and only the ones a row needs
         out = num_draft.clone()
         for row, seq in enumerate(seqs):
             n = int(num_draft[row])
             if n:
                 fixed = seq.config.seed is not None and not seq.config.sampling.greedy
-                out[row] = best_draft_length(accept_probs[row, :n].tolist(), prior if fixed else measured)
+                if fixed not in curves:
+                    width = widest + 1
+                    curves[fixed] = prior_ratios(width) if fixed else self.costs.ratios(width, batch)
+                out[row] = best_draft_length(accept_probs[row, :n].tolist(), curves[fixed])
         return out
 
     def _commit(
