@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_llama
+from test_greedy import repetitive_prompt
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import verispec
@@ -22,11 +23,8 @@ HAVE_CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not HAVE_CUDA, reason="no CUDA GPU here")
 
 
-def _prompt(n: int = 24, seed: int = 0, vocab: int = 64) -> list[int]:
-    """Tokens with repeats, so prompt lookup finds matches and mismatches."""
-    g = torch.Generator().manual_seed(seed)
-    base = torch.randint(0, vocab, (8,), generator=g)
-    return torch.cat([base, torch.randint(0, vocab, (4,), generator=g), base[:5], base])[:n].tolist()
+def _prompt(n: int = 24, seed: int = 0) -> list[int]:
+    return repetitive_prompt(n, seed).tolist()
 
 
 def test_auto_device_follows_torch():

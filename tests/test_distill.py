@@ -210,7 +210,7 @@ def test_eagle_feeds_the_targets_recorded_features():
     """After a step, the draft's cache holds exactly the committed pairs (h_t, x_{t+1}), t <= N - 2,
     with the target's own features: its last output equals a one-shot forward over them."""
     from verispec.config import GenerationConfig, SamplingConfig
-    from verispec.distill.eagle import EagleProposer, unrolled_forward
+    from verispec.distill.eagle import EagleProposer
     from verispec.engine import Engine
 
     _, target = _fast_target()
@@ -229,13 +229,21 @@ def test_eagle_feeds_the_targets_recorded_features():
     proposer.propose([0], [committed], torch.tensor([2]), _greedy_params(), [None])  # catch up
     n = len(committed)
     assert draft.lengths[0] >= n - 1 and proposer._agreed[0] == n - 1
-    _, fresh = _fast_target()  # the same weights; its prefill records every committed feature at once
+    torch.testing.assert_close(proposer._feature[0], one_shot_feature(model, committed), rtol=1e-4, atol=1e-4)
+
+
+def one_shot_feature(model, committed: list[int]) -> torch.Tensor:
+    """The EAGLE head's feature after the pairs of ``committed`` (``[hidden]``), from one forward over
+    the target's features of all of them (a fresh target with the same weights records them at once)."""
+    from verispec.distill.eagle import unrolled_forward
+
+    _, fresh = _fast_target()
     fresh.record_hidden = True
     fresh.forward(torch.tensor([committed[:-1]]), rows=[0], logits="none")
     feats = torch.cat([fresh.last_hidden, fresh.last_hidden[:, -1:]], dim=1)  # [1, n, hidden]
     with torch.no_grad():
         f1, _ = unrolled_forward(model, torch.tensor([committed]), feats, unroll=False)
-    torch.testing.assert_close(proposer._feature[0], f1[0, n - 2], rtol=1e-4, atol=1e-4)
+    return f1[0, len(committed) - 2]
 
 
 def test_eagle_sampled_run_completes_and_is_seeded():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_distill import _eagle, _fast_target
+from test_distill import _eagle, _fast_target, one_shot_feature
 from test_exactness import DRAFT, SIGMAS, TARGET, Bigram, exact_law, max_z
 
 import verispec
@@ -106,7 +106,6 @@ def test_eagle_reads_the_targets_features_after_steps_it_did_not_draft():
     from test_distill import _greedy_params
 
     from verispec.config import GenerationConfig, SamplingConfig
-    from verispec.distill.eagle import unrolled_forward
     from verispec.engine import Engine
 
     _, target = _fast_target()
@@ -127,13 +126,7 @@ def test_eagle_reads_the_targets_features_after_steps_it_did_not_draft():
     eagle.propose([0], [committed], torch.tensor([2]), _greedy_params(), [None])  # catch up
     n = len(committed)
     assert eagle._agreed[0] == n - 1
-    _, fresh = _fast_target()
-    fresh.record_hidden = True
-    fresh.forward(torch.tensor([committed[:-1]]), rows=[0], logits="none")
-    feats = torch.cat([fresh.last_hidden, fresh.last_hidden[:, -1:]], dim=1)  # [1, n, hidden]
-    with torch.no_grad():
-        f1, _ = unrolled_forward(model, torch.tensor([committed]), feats, unroll=False)
-    torch.testing.assert_close(eagle._feature[0], f1[0, n - 2], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(eagle._feature[0], one_shot_feature(model, committed), rtol=1e-4, atol=1e-4)
 
 
 def test_default_drafter_is_lookup_first_over_the_shipped_draft(tmp_path, monkeypatch):
@@ -156,11 +149,13 @@ def test_default_drafter_is_lookup_first_over_the_shipped_draft(tmp_path, monkey
 
 
 def test_eagle_token_seconds_leaves_the_proposer_alone():
+    from verispec.bench.measure import eagle_token_seconds
+
     _, target = _fast_target()
     _, draft = _eagle(target)
     eagle = EagleProposer(target, draft, max_batch_size=2)
     before = draft.lengths.clone()
-    seconds = eagle.token_seconds(reps=3)
+    seconds = eagle_token_seconds(eagle, reps=3)
     assert 0 < seconds < 1 and torch.equal(draft.lengths, before)
 
 
