@@ -71,10 +71,15 @@ inline float hsum(__m256 v) {
 // then the scale: the same sequence whatever MR and NR are, which makes results independent of M.
 // `pf` (0: none) is an element offset from each weight row to prefetch alongside, pointing into a
 // later block of the stream. Without it loads and FMAs serialise (measured: M=5 costs memory time +
-// compute time); with it the next block's DRAM reads overlap this block's arithmetic.
+// compute time); with it the next block's DRAM reads overlap this block's arithmetic. One prefetch
+// per 64-byte line, into L2 (T1), not L1: measured on the 2-core EPYC (all SmolLM2 matrices,
+// float32, min of 13 interleaved rounds), prefetching into L1 at every 32 bytes cost 25.6 / 29.1 ms
+// for 1 / 5 input rows, into L2 once per line 19.0 / 19.6 ms, as fast as torch's own sum over the
+// same bytes (19.7 ms): the L1 hint evicted the block being computed on and doubled the prefetches.
 template <int MR, int NR, typename WT>
 inline void tile(const float* x, int64_t ldx, const WT* w, int64_t K, const float* scale,
                  const float* bias, float* y, int64_t ldy, bool accumulate, int64_t pf) {
+  constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(WT));  // weights per cache line
   __m256 acc[MR][NR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
@@ -85,10 +90,10 @@ inline void tile(const float* x, int64_t ldx, const WT* w, int64_t K, const floa
     __m256 wv[NR];
 #pragma GCC unroll 4
     for (int j = 0; j < NR; ++j) wv[j] = load8(w + j * K + k);
-    if (pf != 0) {
+    if (pf != 0 && k % kLine == 0) {
 #pragma GCC unroll 4
       for (int j = 0; j < NR; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(w + j * K + k + pf), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w + j * K + k + pf), _MM_HINT_T1);
     }
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
@@ -143,14 +148,17 @@ inline void tile_any(int64_t mr, const float* x, int64_t ldx, const WT* w, int64
 // y[M, N] (+)= (x[M, K] @ w[N, K]^T) * scale[N] + bias. Threads split the weight rows, so each thread streams
 // its half of the weights once; within a block of 4 weight rows every input row is applied while
 // the block is in L1.
-// Prefetch distance, in blocks of weight rows. Measured on the 2-core EPYC (SmolLM2 shapes, one
-// thread): none 59/100 ms for 1/5 input rows over 425 MB, 1 block 40/53 ms, 2 blocks 41/46 ms.
-constexpr int64_t kPrefetchBlocks = 2;
+// Prefetch distance in bytes (about 1-2 blocks of rows ahead). Measured on the 2-core EPYC, all
+// SmolLM2 matrices, 1 / 5 input rows, min of 13 interleaved rounds: float32 37 KB 19.1 / 19.0 ms,
+// 74 KB 19.0 / 19.6; bfloat16 18 KB 11.5 / 19.1, 74 KB 13.0 / 20.6; int8 9 KB 9.0 / 14.9, 18 KB
+// 7.7 / 15.2, 37 KB 9.4 / 15.4 (the session-2 distance, 2 blocks of 4 rows, and L1 hints: float32
+// 25.6 / 29.1, bfloat16 18.6 / 20.6, int8 10.4 / 14.3).
+constexpr int64_t kPrefetchBytes = 24 * 1024;
 
 template <typename WT>
 void linear(const float* x, int64_t M, int64_t ldx, const WT* w, int64_t N, int64_t K,
             const float* scale, const float* bias, float* y, int64_t ldy, bool accumulate) {
-  constexpr int64_t NB = 4;
+  constexpr int64_t NB = 8;
   const int64_t nblocks = (N + NB - 1) / NB;
   at::parallel_for(0, nblocks, 16, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
@@ -159,7 +167,7 @@ void linear(const float* x, int64_t M, int64_t ldx, const WT* w, int64_t N, int6
       const float* bb = bias ? bias + n0 : nullptr;
       const float* sb = scale ? scale + n0 : nullptr;
       // Only the first pass over the block prefetches; later passes find it in L1/L2.
-      int64_t pf = kPrefetchBlocks * NB * K;
+      int64_t pf = kPrefetchBytes / static_cast<int64_t>(sizeof(WT));
       for (int64_t m = 0; m < M; pf = 0) {
         // Up to 6 input rows per pass, split evenly (9 = 5 + 4, not 6 + 3): fewer passes means
         // fewer weight loads per FMA. The split never changes any element's arithmetic.
@@ -442,11 +450,15 @@ class FastLlamaKernel {
       linear(att_.data(), M, HQD, wptr<WT>(L.wo.w), H, HQD, L.wo.sc(), opt(L.bo), x, H, true);
       rmsnorm(x, M, H, L.post_norm.data_ptr<float>(), eps_, xn);
       linear(xn, M, H, wptr<WT>(L.wgu.w), 2 * I, H, L.wgu.sc(), nullptr, gu_.data(), 2 * I, false);
-      for (int64_t m = 0; m < M; ++m) {
-        const float* g = gu_.data() + m * 2 * I;
-        float* a = act_.data() + m * I;
-        for (int64_t k = 0; k < I; ++k) a[k] = g[k] / (1.0f + std::exp(-g[k])) * g[I + k];
-      }
+      // SwiGLU, one element at a time (scalar expf: 5 rows x 1536 took 2 ms of a 31 ms forward on
+      // one thread), split over the threads.
+      at::parallel_for(0, M * I, 2048, [&](int64_t e0, int64_t e1) {
+        for (int64_t e = e0; e < e1; ++e) {
+          const int64_t m = e / I, k = e % I;
+          const float* g = gu_.data() + m * 2 * I;
+          act_[m * I + k] = g[k] / (1.0f + std::exp(-g[k])) * g[I + k];
+        }
+      });
       linear(act_.data(), M, I, wptr<WT>(L.wdown.w), H, I, L.wdown.sc(), nullptr, x, H, true);
     }
 

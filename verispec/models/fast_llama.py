@@ -22,11 +22,13 @@ greedy decoding therefore equals plain greedy decoding token for token. The torc
 Hugging Face model to float32 rounding but its matmuls may pick different kernels for different
 ``T``, so it only guarantees closeness, not bitwise equality.
 
-Measured (``benchmarks/fast_forward.py``, SmolLM2-135M, 2-core EPYC, context 64, median ms for
-T = 1 / 5 new tokens): HF eager 66 / 107; kernel float32 28 / 35 (about 87% of the 538 MB
-weight-bandwidth bound at 22 GB/s); kernel bfloat16 20 / 20; torch path float32 63 / 75. With one
-thread, on a machine shared with other jobs: float32 (538 MB) 52 / 55, bfloat16 (269 MB) 30 / 34,
-int8 (135 MB) 18 / 25; int8 is partly compute-bound (widening costs two instructions per 8 weights).
+Measured (``benchmarks/fast_forward.py --no-hf --no-torch``, SmolLM2-135M, 2-core EPYC, context 64,
+median ms for T = 1 / 5 new tokens, session 4, with the kernel's L2 prefetch): float32 22.1 / 20.9
+(538 MB read per step: 24 GB/s, 91% of the 26.8 GB/s this machine's ``memory_bandwidth`` measured
+in the same minute); bfloat16 11.5 / 15.4; int8 6.8 / 13.8 (int8 and bfloat16 are compute-bound
+beyond one token: widening costs two instructions per 8 weights). Before (L1 prefetch every 32 bytes,
+same script, same hour): float32 36.1 / 40.2, bfloat16 22.6 / 28.4, int8 10.1 / 15.4. Earlier,
+HF eager 66 / 107 and the torch path float32 63 / 75.
 
 Weight formats (``DTYPES``): int8 is symmetric with one float32 scale per weight row. Against
 float32 on 1292 positions of Spec-Bench prompts, the top-1 token agrees at 96.1% (bfloat16: 99.7%),
