@@ -157,13 +157,13 @@ class FastLlama:
     """Calls feeding at most this many tokens per row take the kernel path (bitwise T-independent)."""
     prefill_chunk: int = 512
     """Longer torch-path calls are split into chunks of this many tokens to bound activations."""
-    kernel_prefill_max: dict[str, int] = {"float32": 32, "bfloat16": 96, "int8": 96}
+    kernel_prefill_max: dict[str, int] = {"float32": 96, "bfloat16": 96, "int8": 96}
     """Calls up to this many tokens per row (by weight format) still run on the kernel, in pieces of
     ``kernel_max_tokens``: below it the torch path's fixed costs (widening bfloat16/int8 weights to a
-    float32 copy, small-GEMM overheads) exceed the kernel's. Measured on the 2-core EPYC, int8: 32
-    tokens 80 ms on the kernel against 884 ms on torch (busy machine), 128 tokens 249 against 253,
-    256 tokens 557 against 463; float32 128 tokens 637 against 428. Short chat prompts (40-90 tokens)
-    are the common case."""
+    float32 copy, small-GEMM overheads) exceed the kernel's. Measured on the 2-core EPYC (session 4,
+    min of 3, kernel against torch, ms): float32 48 tokens 105 / 140, 64 201 / 200, 96 250 / 272,
+    128 348 / 326, 256 676 / 548; int8 96 255 / 386, 128 354 / 344; bfloat16 96 253 / 315, 128
+    335 / 358. Short chat prompts (40-90 tokens) are the common case."""
 
     def __init__(
         self,
