@@ -290,9 +290,10 @@ class FastLlamaKernel {
   }
 
   // The embedding has the weights' type; an int8 one is dequantised row by row (`embed_scale`).
-  void set_head(at::Tensor embed, at::Tensor final_norm, at::Tensor head,
+  // None: a model fed with input vectors only (`forward_hidden`, e.g. an EAGLE draft head).
+  void set_head(std::optional<at::Tensor> embed, at::Tensor final_norm, at::Tensor head,
                 std::optional<at::Tensor> embed_scale, std::optional<at::Tensor> head_scale) {
-    embed_ = mat(embed, embed_scale, embed.size(0), H_);
+    if (embed) embed_ = mat(*embed, embed_scale, embed->size(0), H_);
     check_f32(final_norm, H_);
     head_ = mat(head, head_scale, head.size(0), H_);
     final_norm_ = final_norm;
@@ -323,25 +324,21 @@ class FastLlamaKernel {
   // into the M tokens whose logits are wanted. Returns [R, V] float32.
   at::Tensor forward(const at::Tensor& ids, const at::Tensor& slots, const at::Tensor& pos,
                      const at::Tensor& logit_rows) {
-    for (const auto* t : {&ids, &slots, &pos, &logit_rows})
-      TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1);
-    TORCH_CHECK(!kc_.empty() && cos_.defined() && head_.w.defined(), "kernel not fully set up");
-    const int64_t M = ids.numel();
-    TORCH_CHECK(slots.numel() == M && pos.numel() == M);
-    const int64_t B = kc_[0].size(0), S = kc_[0].size(2);
+    TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous() && ids.dim() == 1);
+    TORCH_CHECK(embed_.w.defined(), "this kernel has no embedding: use forward_hidden");
     const int64_t* id = ids.data_ptr<int64_t>();
-    const int64_t* sl = slots.data_ptr<int64_t>();
-    const int64_t* ps = pos.data_ptr<int64_t>();
-    for (int64_t m = 0; m < M; ++m) {
+    for (int64_t m = 0; m < ids.numel(); ++m)
       TORCH_CHECK(id[m] >= 0 && id[m] < embed_.w.size(0), "token id out of range");
-      TORCH_CHECK(sl[m] >= 0 && sl[m] < B, "row out of range");
-      TORCH_CHECK(ps[m] >= 0 && ps[m] < S && ps[m] < cos_.size(0), "position out of range");
-    }
-    switch (wtype_) {
-      case at::kBFloat16: return run<bf16>(M, id, sl, ps, logit_rows);
-      case at::kChar: return run<i8>(M, id, sl, ps, logit_rows);
-      default: return run<float>(M, id, sl, ps, logit_rows);
-    }
+    return dispatch(ids.numel(), id, nullptr, slots, pos, logit_rows);
+  }
+
+  // Like forward, with the first layer's inputs given: x [M, hidden] float32 (row m at slots[m],
+  // pos[m]) instead of token ids.
+  at::Tensor forward_hidden(const at::Tensor& x, const at::Tensor& slots, const at::Tensor& pos,
+                            const at::Tensor& logit_rows) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2 && x.size(1) == H_,
+                "x must be contiguous float32 [M, hidden]");
+    return dispatch(x.size(0), nullptr, x.data_ptr<float>(), slots, pos, logit_rows);
   }
 
   // When on, each forward keeps the final residual stream (before the final norm) of all its
@@ -378,6 +375,27 @@ class FastLlamaKernel {
   }
 
  private:
+  // Checks shared by forward and forward_hidden; exactly one of `id` and `x_in` is set.
+  at::Tensor dispatch(int64_t M, const int64_t* id, const float* x_in, const at::Tensor& slots,
+                      const at::Tensor& pos, const at::Tensor& logit_rows) {
+    for (const auto* t : {&slots, &pos, &logit_rows})
+      TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1);
+    TORCH_CHECK(!kc_.empty() && cos_.defined() && head_.w.defined(), "kernel not fully set up");
+    TORCH_CHECK(slots.numel() == M && pos.numel() == M);
+    const int64_t B = kc_[0].size(0), S = kc_[0].size(2);
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    const int64_t* ps = pos.data_ptr<int64_t>();
+    for (int64_t m = 0; m < M; ++m) {
+      TORCH_CHECK(sl[m] >= 0 && sl[m] < B, "row out of range");
+      TORCH_CHECK(ps[m] >= 0 && ps[m] < S && ps[m] < cos_.size(0), "position out of range");
+    }
+    switch (wtype_) {
+      case at::kBFloat16: return run<bf16>(M, id, x_in, sl, ps, logit_rows);
+      case at::kChar: return run<i8>(M, id, x_in, sl, ps, logit_rows);
+      default: return run<float>(M, id, x_in, sl, ps, logit_rows);
+    }
+  }
+
   template <typename WT>
   static const WT* wptr(const at::Tensor& t) {
     return reinterpret_cast<const WT*>(t.data_ptr());
@@ -419,7 +437,7 @@ class FastLlamaKernel {
   static const float* opt(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
 
   template <typename WT>
-  at::Tensor run(int64_t M, const int64_t* id, const int64_t* sl, const int64_t* ps,
+  at::Tensor run(int64_t M, const int64_t* id, const float* x_in, const int64_t* sl, const int64_t* ps,
                  const at::Tensor& logit_rows) {
     const int64_t H = H_, D = D_, QKV = (Hq_ + 2 * Hkv_) * D_, HQD = Hq_ * D_, I = I_;
     x_.resize(M * H);
@@ -432,11 +450,15 @@ class FastLlamaKernel {
     float* xn = xn_.data();
     float* qkv = qkv_.data();
 
-    const WT* emb = wptr<WT>(embed_.w);
-    const float* emb_scale = embed_.sc();
-    for (int64_t m = 0; m < M; ++m) {
-      const float s = emb_scale ? emb_scale[id[m]] : 1.0f;  // x * 1.0f is exact for the float types
-      for (int64_t k = 0; k < H; ++k) x[m * H + k] = to_f32(emb[id[m] * H + k]) * s;
+    if (x_in != nullptr) {
+      std::memcpy(x, x_in, M * H * sizeof(float));
+    } else {
+      const WT* emb = wptr<WT>(embed_.w);
+      const float* emb_scale = embed_.sc();
+      for (int64_t m = 0; m < M; ++m) {
+        const float s = emb_scale ? emb_scale[id[m]] : 1.0f;  // x * 1.0f is exact for the float types
+        for (int64_t k = 0; k < H; ++k) x[m * H + k] = to_f32(emb[id[m] * H + k]) * s;
+      }
     }
 
     const float* cos = cos_.data_ptr<float>();
@@ -567,6 +589,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_rope", &FastLlamaKernel::set_rope)
       .def("set_cache", &FastLlamaKernel::set_cache)
       .def("forward", &FastLlamaKernel::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("forward_hidden", &FastLlamaKernel::forward_hidden,
+           pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("set_keep_hidden", &FastLlamaKernel::set_keep_hidden)
       .def("last_hidden", &FastLlamaKernel::last_hidden)
       .def("linear", &FastLlamaKernel::linear_op);

@@ -43,6 +43,7 @@ def early_exit_model(target_kv, num_layers: int, max_batch_size: int = 1) -> Dra
         getattr(target_kv, "tokenizer", None),
         max_length=getattr(target_kv, "max_length", 2048),
         max_batch_size=max_batch_size,
+        use_kernel=False,  # it is the target's own float32 stack, shared, not a bfloat16 copy of it
     )
 
 

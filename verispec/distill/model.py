@@ -17,6 +17,10 @@ Two settings of the same module serve two drafters:
 preallocated ``[B, H_kv, S, D]`` caches, so it plugs into
 :class:`~verispec.proposers.DraftModelProposer` unchanged. Its logits cover the full vocabulary
 (``-inf`` outside the subset) so they go through the shared ``logits_to_probs`` like the target's.
+On a CPU with the C++ kernel (:mod:`verispec.models.fast_llama`), its layers and head run there, from
+a bfloat16 copy of their weights taken when the ``DraftKV`` is made: one kernel call per forward
+instead of some forty small torch operations. The draft's numerics never affect what is generated
+(verification is exact for any draft distribution), only how often its tokens are accepted.
 """
 
 from __future__ import annotations
@@ -230,8 +234,16 @@ class DraftKV:
     """
 
     def __init__(
-        self, model: DraftLM, tokenizer: object | None = None, max_length: int = 2048, max_batch_size: int = 1
+        self,
+        model: DraftLM,
+        tokenizer: object | None = None,
+        max_length: int = 2048,
+        max_batch_size: int = 1,
+        use_kernel: bool | None = None,
     ):
+        """``use_kernel``: None = run on the C++ kernel when the model is on a CPU and the kernel
+        builds (and ``VERISPEC_NO_KERNEL`` is unset); False = torch operations only. The kernel holds
+        a copy of the weights as they are now: make a new ``DraftKV`` after changing them."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_length = int(max_length)
@@ -242,7 +254,15 @@ class DraftKV:
         self.v_cache: list[torch.Tensor] = []
         self.last_features: torch.Tensor | None = None
         """The last forward's output features ``[n, T, hidden]`` (before the final norm)."""
+        self._kernel, self._kernel_weights = None, []
+        if use_kernel is not False:
+            self._kernel, self._kernel_weights = _draft_kernel(model, self.max_length)
         self.reset(max_batch_size)
+
+    @property
+    def uses_kernel(self) -> bool:
+        """Whether forwards run on the C++ kernel."""
+        return self._kernel is not None
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -252,6 +272,7 @@ class DraftKV:
     def memory_bytes(self) -> int:
         """Bytes of the draft's own weights and caches (shared target tensors not counted)."""
         own = sum(p.numel() * p.element_size() for p in self.model.layers.parameters())
+        own += sum(t.numel() * t.element_size() for t in self._kernel_weights)  # the kernel's copies
         if self.model.fc is not None:
             own += self.model.fc.weight.numel() * self.model.fc.weight.element_size()
         if self.model.vocab_ids is not None:
@@ -266,6 +287,8 @@ class DraftKV:
             self.k_cache = [torch.zeros(shape) for _ in range(cfg.num_layers)]
             self.v_cache = [torch.zeros(shape) for _ in range(cfg.num_layers)]
             self._capacity = batch_size
+            if self._kernel is not None:
+                self._kernel.set_cache(self.k_cache, self.v_cache)
         self._lengths = torch.zeros(batch_size, dtype=torch.int64)
 
     def truncate(self, lengths: torch.Tensor, rows: list[int] | None = None) -> None:
@@ -295,6 +318,8 @@ class DraftKV:
         if end > self.max_length:
             raise ValueError(f"a row would exceed max_length={self.max_length}")
         pos = starts[:, None] + torch.arange(t)  # [n, T]
+        if self._kernel is not None:
+            return self._forward_kernel(ids, idx, starts, pos, logits, features)
         cos, sin = m._rope(pos)
         # Query at position p sees keys 0..p of its own row.
         mask = torch.arange(end)[None, None, :] <= pos[:, :, None]  # [n, T, end]
@@ -318,12 +343,50 @@ class DraftKV:
         scores = self.logits(x[:, -1] if logits == "last" else x)
         return scores
 
+    def _forward_kernel(
+        self,
+        ids: torch.Tensor,
+        idx: torch.Tensor,
+        starts: torch.Tensor,
+        pos: torch.Tensor,
+        logits: LogitsMode,
+        features: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """The forward on the kernel: first-layer inputs ``[n, T, hidden]`` from torch (embeddings,
+        EAGLE's ``fc``), then one call for the layers and the head."""
+        n, t = ids.shape
+        x = self.model.inputs(ids, features).float().reshape(n * t, -1).contiguous()  # [n*T, hidden]
+        if logits == "all":
+            wanted = torch.arange(n * t)
+        elif logits == "last":
+            wanted = torch.arange(t - 1, n * t, t)
+        else:
+            wanted = torch.zeros(0, dtype=torch.int64)
+        scores = self._kernel.forward_hidden(x, idx.repeat_interleave(t), pos.reshape(-1), wanted)
+        self._lengths[idx] = starts + t
+        self.last_features = self._kernel.last_hidden().view(n, t, -1)
+        if logits == "none":
+            return None
+        scores = scores.view(n, t, -1) if logits == "all" else scores  # [n, (T,) draft_vocab]
+        return self._full_vocab(scores)
+
     @torch.inference_mode()
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """``[..., hidden]`` output features -> ``[..., V]`` float32 logits over the target's whole
         vocabulary (``-inf`` outside the head's subset, so the shared ``logits_to_probs`` applies)."""
         m = self.model
-        scores = m.scores(features).float()  # [..., draft_vocab]
+        if self._kernel is not None:
+            lead = features.shape[:-1]
+            normed = m._norm(features.float(), m.norm.float()).reshape(-1, m.cfg.hidden_size).contiguous()
+            head = self._kernel_weights[-1]  # [draft_vocab, hidden], KERNEL_DTYPE
+            scores = self._kernel.linear(normed, head, None, None).view(*lead, -1)
+        else:
+            scores = m.scores(features).float()  # [..., draft_vocab]
+        return self._full_vocab(scores)
+
+    def _full_vocab(self, scores: torch.Tensor) -> torch.Tensor:
+        """``[..., draft_vocab]`` -> ``[..., V]``, ``-inf`` outside the head's subset."""
+        m = self.model
         if m.vocab_ids is None:
             return scores
         full = scores.new_full((*scores.shape[:-1], m.cfg.vocab_size), float("-inf"))
@@ -331,3 +394,48 @@ class DraftKV:
         return full
 
     __call__ = forward
+
+
+KERNEL_DTYPE = torch.bfloat16
+"""Weight format of a draft on the C++ kernel: half of float32's bytes to read per draft token, and
+bfloat16 weights change the target's own top-1 token at 0.5% of positions (``fast_llama.py``)."""
+
+
+def _draft_kernel(model: DraftLM, max_length: int) -> tuple[object | None, list[torch.Tensor]]:
+    """A ``FastLlamaKernel`` running ``model``'s layers, final norm and head (``KERNEL_DTYPE`` copies),
+    fed with first-layer inputs (``forward_hidden``), and the copied matrices (the head last); ``(None,
+    [])`` when the model is not on a CPU or the kernel is unavailable."""
+    from verispec.models.fast_llama import _load_kernel, kernel_available
+
+    if model.norm.device.type != "cpu" or not kernel_available():
+        return None, []
+    cfg = model.cfg
+    k = _load_kernel().FastLlamaKernel(
+        cfg.hidden_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+        cfg.rms_norm_eps,
+    )
+    copies: list[torch.Tensor] = []
+
+    def w(*ts: torch.Tensor) -> torch.Tensor:
+        copies.append(torch.cat([t.detach().float() for t in ts]).to(KERNEL_DTYPE).contiguous())
+        return copies[-1]
+
+    def vec(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().float().contiguous()
+
+    for layer in model.layers:
+        k.add_layer(
+            vec(layer.in_norm), w(layer.q.weight, layer.k.weight, layer.v.weight), None, w(layer.o.weight),
+            None, vec(layer.post_norm), w(layer.gate.weight, layer.up.weight), w(layer.down.weight),
+            None, None, None, None,
+        )  # fmt: skip
+    k.set_head(None, vec(model.norm), w(model.head), None, None)
+    freqs = torch.arange(max_length, dtype=torch.float32)[:, None] * model.inv_freq.float()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [S, head_dim], as DraftLM._rope
+    k.set_rope(emb.cos().contiguous(), emb.sin().contiguous())
+    k.set_keep_hidden(True)
+    return k, copies
