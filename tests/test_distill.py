@@ -168,6 +168,17 @@ def _eagle(kv, vocab: int = 48, layer: int = 2, use_kernel: bool | None = None):
     return model, DraftKV(model, max_length=kv.max_length, max_batch_size=2, use_kernel=use_kernel)
 
 
+def _uncut(proposer):
+    """``proposer`` with every drafted token verified: a random tiny head is rarely confident, so its
+    own estimates would stop drafting and the engine's cost cut would drop the rest."""
+    import dataclasses
+
+    proposer.stop_reach = 0.0
+    propose = proposer.propose
+    proposer.propose = lambda *a: dataclasses.replace(propose(*a), accept_probs=None)
+    return proposer
+
+
 def _fast_target(seed: int = 0):
     from verispec.models.loading import wrap
 
@@ -181,7 +192,7 @@ def test_eagle_greedy_equals_plain_greedy_for_a_batch(k):
 
     _, target = _fast_target()
     _, draft = _eagle(target)
-    proposer = EagleProposer(target, draft, max_batch_size=2)
+    proposer = _uncut(EagleProposer(target, draft, max_batch_size=2))
     prompts = [[3, 14, 15, 9, 26, 5, 35, 8, 9, 7, 9, 3], [2, 7]]
     plain = speculative_generate(
         target, None, prompts, max_new_tokens=30, num_speculative_tokens=0, temperature=0
@@ -197,6 +208,32 @@ def test_eagle_greedy_equals_plain_greedy_for_a_batch(k):
         [0], [prompts[0] + plain[0].token_ids[:3]], torch.tensor([k]), _greedy_params(), [None]
     )
     assert int(proposal.tokens.max()) < 48
+
+
+def test_eagle_proposals_carry_the_heads_confidence_and_stop_early():
+    """Each drafted token comes with the head's probability of it (its chance of acceptance for the
+    engine's cost cut), and a row stops drafting once the running product falls below stop_reach."""
+    from verispec.distill.eagle import EagleProposer
+
+    _, target = _fast_target()
+    _, draft = _eagle(target)
+    proposer = EagleProposer(target, draft, max_batch_size=2)
+    prompt = [3, 14, 15, 9, 26, 5, 35, 8]
+    target.reset(1)
+    target.forward(torch.tensor([prompt[:-1]]), rows=[0], logits="none")
+    proposer.start(0, prompt)
+    proposer.stop_reach = 0.0  # never stop: all 4 tokens
+    full = proposer.propose([0], [prompt], torch.tensor([4]), _greedy_params(), [None])
+    assert int(full.num_draft[0]) == 4 and full.accept_probs is not None
+    probs = full.accept_probs[0]
+    assert bool(((probs > 0) & (probs <= 1)).all())
+    # The first estimate is the head's softmax probability of its first (argmax) token.
+    head = torch.softmax(draft.logits(proposer._feature[0][None]), dim=-1)[0]
+    torch.testing.assert_close(probs[0], head[int(full.tokens[0, 0])])
+    proposer.stop_reach = float(probs[0]) + 1e-6  # the first token alone already falls below it
+    short = proposer.propose([0], [prompt], torch.tensor([4]), _greedy_params(), [None])
+    assert int(short.num_draft[0]) == 1 and short.tokens.shape[1] == 1
+    assert int(short.tokens[0, 0]) == int(full.tokens[0, 0])
 
 
 def _greedy_params():
@@ -286,7 +323,7 @@ def test_eagle_sampled_run_completes_and_is_seeded():
 
     _, target = _fast_target()
     _, draft = _eagle(target)
-    proposer = EagleProposer(target, draft, max_batch_size=2)
+    proposer = _uncut(EagleProposer(target, draft, max_batch_size=2))
     runs = [
         speculative_generate(
             target,

@@ -130,7 +130,10 @@ class LookupFirst:
             tokens[r, :m] = drafted
             num[r] = m
             accept[r] = 1.0
-            accept[r, :m] = torch.tensor(estimates[r][:m])
+            # The draft's own per-token estimates when it gives them (an EAGLE head's confidence),
+            # else what this sequence's history says about its positions.
+            own = sub.accept_probs
+            accept[r, :m] = own[i, :m] if own is not None else torch.tensor(estimates[r][:m])
             if probs is not None:
                 probs[r] = 0.0
                 probs[r, :m] = sub.probs[i, :m]
