@@ -327,6 +327,12 @@ def test_supports_and_limits() -> None:
     fast.reset(3)  # grows the caches
     assert fast.lengths.tolist() == [0, 0, 0]
     assert fast.forward(torch.zeros(3, 2, dtype=torch.int64)).shape == (3, 2, VOCAB)
+    for bad in ([3], [-1], [0, 3], [1, 1]):  # out of range (one row or several), duplicates
+        with pytest.raises(ValueError):
+            fast.forward(torch.zeros(len(bad), 1, dtype=torch.int64), rows=bad)
+    assert fast.lengths.tolist() == [2, 2, 2]
+    fast.truncate(torch.tensor([1]), rows=[2])
+    assert fast.lengths.tolist() == [2, 2, 1]
 
 
 @pytest.mark.slow

@@ -111,7 +111,7 @@ def test_greedy_verify_equals_rejection_sample_on_one_hot():
 
     g = torch.Generator().manual_seed(0)
     for _ in range(50):
-        k = int(torch.randint(1, 6, (1,), generator=g))
+        k = int(torch.randint(0, 6, (1,), generator=g))  # k = 0: a plain step (its own fast path)
         logits = torch.randn(3, k + 1, V, generator=g, dtype=torch.float64)
         best = logits.argmax(-1)
         # Drafts agree with the argmax for a random prefix, then differ.

@@ -128,6 +128,8 @@ def greedy_verify(
     """
     batch, k = draft_tokens.shape
     best = target_logits.argmax(dim=-1).to(draft_tokens.device)  # [B, k + 1]
+    if k == 0:  # a plain step: the target's argmax, nothing to compare
+        return Verdict(tokens=best, num_accepted=torch.zeros(batch, dtype=torch.int64, device=best.device))
     positions = torch.arange(k, device=draft_tokens.device)
     accept = (draft_tokens == best[:, :k]) & (positions[None, :] < num_draft[:, None])
     num_accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]

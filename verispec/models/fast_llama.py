@@ -408,6 +408,10 @@ class FastLlama:
         """Validated row indices ``[n]`` int64 (all rows when None)."""
         if rows is None:
             return torch.arange(self._batch)
+        if isinstance(rows, list) and len(rows) == 1:  # the common case, without the tensor checks
+            if not 0 <= int(rows[0]) < self._batch:
+                raise ValueError(f"rows {rows} out of range for batch size {self._batch}")
+            return torch.tensor(rows, dtype=torch.int64)
         idx = torch.as_tensor(rows, dtype=torch.int64).reshape(-1)
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self._batch):
             raise ValueError(f"rows {rows} out of range for batch size {self._batch}")
