@@ -31,7 +31,8 @@ def markdown(results: dict) -> str:
         f"Model {c['model']}, draft {c['draft_model'] or '-'}, {c['max_new_tokens']} new tokens, temperature "
         f"{c['temperature']}, {c['prompts']} prompts.",
         "",
-        f"- memory bandwidth {results['memory_bandwidth_bytes_per_second'] / 1e9:.1f} GB/s; "
+        f"- memory bandwidth {results['memory_bandwidth_bytes_per_second'] / 1e9:.1f} GB/s"
+        f"{_samples(results.get('memory_bandwidth_samples'))}; "
         f"bandwidth bound {results['bandwidth_bound_tokens_per_second']:.1f} tokens/s "
         f"({results['weight_bytes_per_token'] / 2**20:.0f} MiB of weights per token)",
         f"- verify_cost_ratio (forward over 5 new tokens / 1, at 200 cached) "
@@ -295,3 +296,10 @@ def goals_markdown(checks: list[dict]) -> str:
             f"| {c['goal']} | {c['value']} | {'-' if c['met'] is None else ('yes' if c['met'] else 'NO')} |"
         )
     return "\n".join(lines)
+
+
+def _samples(samples: dict | None) -> str:
+    """`` (mean of 28.1 before and 31.0 after the run)`` for the bandwidth readings, if recorded."""
+    if not samples:
+        return ""
+    return f" (mean of {samples['before'] / 1e9:.1f} before and {samples['after'] / 1e9:.1f} after the run)"
