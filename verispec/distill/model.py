@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.config import ConfigError
-from verispec.models.base import LogitsMode
+from verispec.models.base import LogitsMode, logit_rows
 
 
 @dataclass(frozen=True)
@@ -356,12 +356,7 @@ class DraftKV:
         EAGLE's ``fc``), then one call for the layers and the head."""
         n, t = ids.shape
         x = self.model.inputs(ids, features).float().reshape(n * t, -1).contiguous()  # [n*T, hidden]
-        if logits == "all":
-            wanted = torch.arange(n * t)
-        elif logits == "last":
-            wanted = torch.arange(t - 1, n * t, t)
-        else:
-            wanted = torch.zeros(0, dtype=torch.int64)
+        wanted = logit_rows(n, t, logits)
         scores = self._kernel.forward_hidden(x, idx.repeat_interleave(t), pos.reshape(-1), wanted)
         self._lengths[idx] = starts + t
         self.last_features = self._kernel.last_hidden().view(n, t, -1)

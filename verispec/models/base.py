@@ -57,6 +57,16 @@ class KVModel(Protocol):
         """Roll back: row ``rows[i]`` keeps its first ``lengths[i]`` tokens (``[n]`` int64)."""
 
 
+def logit_rows(n: int, t: int, logits: LogitsMode) -> torch.Tensor:
+    """Indices ``[R]`` int64 into the ``n * t`` flattened tokens of an ``[n, t]`` call whose logits
+    ``logits`` asks for: all of them, each row's last, or none (the C++ kernel's ``logit_rows``)."""
+    if logits == "all":
+        return torch.arange(n * t)
+    if logits == "last":
+        return torch.arange(t - 1, n * t, t)
+    return torch.zeros(0, dtype=torch.int64)
+
+
 def tensor_bytes(obj: object, _seen: set[int] | None = None) -> int:
     """Bytes held by the tensors in ``obj`` (a tensor, or nested dicts, lists and tuples of them).
 

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from verispec.models.base import LogitsMode, tensor_bytes
+from verispec.models.base import LogitsMode, logit_rows, tensor_bytes
 from verispec.models.threads import ThreadTuner
 
 logger = logging.getLogger(__name__)
@@ -430,12 +430,7 @@ class FastLlama:
         n, T = ids.shape
         pos = (starts[:, None] + torch.arange(T)).reshape(-1)  # [n*T]
         slots = idx.repeat_interleave(T)  # [n*T]
-        if logits == "all":
-            wanted = torch.arange(n * T)
-        elif logits == "last":
-            wanted = torch.arange(T - 1, n * T, T)
-        else:
-            wanted = torch.zeros(0, dtype=torch.int64)
+        wanted = logit_rows(n, T, logits)
         flat = ids.reshape(-1).contiguous()
         out = self._threads.run(lambda: self._kernel.forward(flat, slots, pos, wanted), tokens=n * T)
         if self._record_hidden:
