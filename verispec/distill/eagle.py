@@ -81,10 +81,10 @@ class EagleProposer:
         self._agreed: dict[int, int] = {}
         """Pairs held in the draft's cache per slot (positions ``0 .. agreed - 1``)."""
         self._feature: dict[int, torch.Tensor] = {}
+        """Per slot, the draft's output ``[hidden]`` at position ``agreed - 1``."""
         self._stash: dict[int, list[tuple[int, torch.Tensor]]] = {}
         """Per slot, target features ``(first position, [n, hidden])`` of committed positions kept
         by :meth:`observe` and not fed yet."""
-        """Per slot, the draft's output ``[hidden]`` at position ``agreed - 1``."""
         self._batch = 0
         self._ensure(max_batch_size)
 
@@ -158,8 +158,7 @@ class EagleProposer:
         reach = torch.ones(batch)  # the chance, by the head's own estimate, that drafting got this far
         probs_out: list[torch.Tensor] = []
         steps = 0
-        while steps < int(num_draft.max()):
-            i = steps
+        for i in range(int(num_draft.max())):
             logits = self.draft.logits(feats)  # [B, V]
             tok, probs = draw(logits, params, generators)
             if probs is not None:
