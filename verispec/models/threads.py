@@ -75,15 +75,8 @@ class ThreadTuner:
     def follow(self, fn: Callable[[], R]) -> R:
         """Call ``fn`` on the current choice without measuring it (calls of another cost scale, such
         as long prefills, which are too rare to learn from but collapse just as badly)."""
-        top = max(1, self._max_threads())
-        threads = self._choice_for(top)
-        if threads == top:
+        with torch_threads(self._choice_for(max(1, self._max_threads()))):
             return fn()
-        torch.set_num_threads(threads)
-        try:
-            return fn()
-        finally:
-            torch.set_num_threads(top)
 
     def run(self, fn: Callable[[], R], tokens: int = 1) -> R:
         """Call ``fn`` on the chosen (or probed) thread count and record how long it took."""
@@ -94,17 +87,13 @@ class ThreadTuner:
         current = self._choice_for(top)
         probe = self._calls >= self._next_probe
         threads = (1 if current != 1 else top) if probe else current
-        if threads != top:
-            torch.set_num_threads(threads)
-        start = time.perf_counter()
-        try:
-            return fn()
-        finally:
-            seconds = time.perf_counter() - start
-            if threads != top:
-                torch.set_num_threads(top)
-            cost = seconds / (1 + EXTRA_TOKEN_COST * (max(tokens, 1) - 1))
-            self.record(threads, cost, probe, top, max(tokens, 1).bit_length())
+        with torch_threads(threads):
+            start = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                cost = (time.perf_counter() - start) / (1 + EXTRA_TOKEN_COST * (max(tokens, 1) - 1))
+                self.record(threads, cost, probe, top, max(tokens, 1).bit_length())
 
     def record(self, threads: int, cost: float, probe: bool, top: int, bucket: int = 1) -> None:
         """Fold one call's normalised cost into the running cost of ``(threads, bucket)``; settle a
