@@ -3,7 +3,8 @@
 The two drafters are strong in different places. Prompt lookup costs nothing and, after a long
 match, is accepted nine times in ten, but most steps of open-ended text have no match worth copying.
 A trained draft (the EAGLE head shipped for the default model) is accepted about 40% of the time
-everywhere but costs a tenth of a target step per token. :class:`LookupFirst` asks both every
+everywhere but costs a draft token's forward (0.04-0.07 of a target step on the kernel, session 4;
+a tenth or more before). :class:`LookupFirst` asks both every
 step: lookup's proposal comes with its estimated chances of acceptance; the draft's chance of
 acceptance per position is learned per sequence from what the target went on to commit (from a
 prior). Each row takes the proposal with more expected accepted tokens, the draft's net of its own
@@ -38,8 +39,10 @@ class LookupFirst:
             it has one, is called for rows it did not draft for, to keep its state current.
         lookup: the prompt-lookup drafter (default: a new :class:`PromptLookup`).
         draft_tokens: at most this many draft-model tokens per step (lookup may use all of k).
-        draft_cost: the draft's cost per token in target steps (the shipped head: about 0.1 on one
-            thread), charged against its expected accepted tokens when choosing.
+        draft_cost: the draft's cost per token in target steps, charged against its expected
+            accepted tokens when choosing. The default 0.1 was the shipped head's measured cost in
+            torch; on the kernel it measures 0.04-0.07 (benchmarks/DRAFTS.md, session 4), so 0.1 now
+            errs towards prompt lookup; the benchmark figures are with the default.
         prior, prior_weight: the draft's prior acceptance per position, and how many observations it
             counts as.
     """
