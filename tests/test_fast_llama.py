@@ -356,3 +356,35 @@ def test_int8_default_model_keeps_top1_of_float32(default_model) -> None:
         same += int((want.argmax(-1) == got.argmax(-1)).sum())
         total += ids.shape[1]
     assert total > 500 and same / total >= 0.94, f"{same}/{total} positions agree"
+
+
+@pytest.mark.parametrize("use_kernel", PATHS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_long_prefill_in_bfloat16_products_stays_close_and_decode_is_untouched(
+    dtype: str, use_kernel: bool
+) -> None:
+    """bfloat16 and int8 formats may run long prefills' matrix products in bfloat16: close to the
+    float32 products, not equal (so they really ran), and calls up to ``kernel_prefill_max`` tokens
+    keep float32 products (bitwise the same as with the option off)."""
+    hf = _qwen2()
+    ids = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(12))
+    runs = {}
+    for compute in (None, torch.bfloat16):
+        fast = FastLlama.from_hf(hf, dtype=dtype, max_batch_size=2, use_kernel=use_kernel)
+        fast.kernel_prefill_max = {dtype: 16}  # 40 tokens count as a long prefill here
+        fast.prefill_compute = compute
+        prefill = fast.forward(ids[:, :40])
+        decode = torch.cat([fast.forward(ids[:, t : t + 4]) for t in range(40, 48, 4)], dim=1)
+        short = FastLlama.from_hf(hf, dtype=dtype, max_batch_size=2, use_kernel=use_kernel)
+        short.prefill_compute = compute
+        runs[compute] = (prefill, decode, short.forward(ids[:, :16]))
+    (p32, d32, s32), (p16, d16, s16) = runs[None], runs[torch.bfloat16]
+    assert not torch.equal(p16, p32)
+    torch.testing.assert_close(p16, p32, rtol=0.05, atol=0.02)
+    torch.testing.assert_close(d16, d32, rtol=0.05, atol=0.02)  # decoding after either prefill
+    assert torch.equal(s16, s32)  # a short call is not a long prefill
+
+
+def test_float32_weights_keep_float32_prefill() -> None:
+    """float32 stays exact w.r.t. the HF model: its prefills never round to bfloat16."""
+    assert FastLlama.from_hf(_llama()).prefill_compute is None

@@ -119,19 +119,41 @@ def _linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     scale: torch.Tensor | None = None,
+    compute: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``(x @ weight.T) * scale + bias`` in x's dtype; x ``[..., K]``, weight ``[N, K]``.
+    """``(x @ weight.T) * scale + bias``; x ``[..., K]`` float32, weight ``[N, K]``; float32 out.
 
-    bfloat16 and int8 weights are widened exactly first (a temporary copy: this path serves long
-    prefills, where the matmul dominates). ``scale`` ``[N]`` (int8 only) multiplies the finished dot
-    products, in the kernel's order, rather than the weights.
+    The product runs in ``compute`` (default: x's dtype). bfloat16 and int8 weights are converted
+    exactly to it first (a temporary copy: this path serves long prefills, where the matmul
+    dominates; int8's -127..127 are exact in bfloat16). With ``compute=torch.bfloat16`` the
+    activations are rounded to bfloat16 and the product's output too (oneDNN's native bfloat16
+    path, about 2.3x float32's rate on a CPU with AVX512-BF16). ``scale`` ``[N]`` (int8 only)
+    multiplies the finished dot products, in the kernel's order, rather than the weights.
     """
+    out_dtype = x.dtype
+    if compute is not None and compute != x.dtype:
+        x = x.to(compute)
     if weight.dtype != x.dtype:
         weight = weight.to(x.dtype)
-    if scale is None:
+    if scale is None and x.dtype == out_dtype:
         return F.linear(x, weight, bias)
-    y = F.linear(x, weight) * scale
+    y = F.linear(x, weight).to(out_dtype)
+    if scale is not None:
+        y = y * scale
     return y if bias is None else y + bias
+
+
+def _native_bfloat16(device: torch.device) -> bool:
+    """Whether bfloat16 matrix products run natively (not emulated) on ``device``: a CUDA GPU, or
+    a CPU whose oneDNN build supports its bfloat16 instructions (AVX512-BF16 or AMX)."""
+    if device.type == "cuda":
+        return True
+    if device.type != "cpu":
+        return False
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # an older or stripped build
+        return False
 
 
 def _quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,8 +177,10 @@ class FastLlama:
 
     kernel_max_tokens: int = 16
     """Calls feeding at most this many tokens per row take the kernel path (bitwise T-independent)."""
-    prefill_chunk: int = 512
-    """Longer torch-path calls are split into chunks of this many tokens to bound activations."""
+    prefill_chunk: int = 2048
+    """Longer torch-path calls are split into chunks of this many tokens to bound activations
+    (2048 tokens: about 25 MB in the widest one). A prompt in one chunk gets the causal attention
+    that skips the masked half; later chunks need an explicit mask."""
     kernel_prefill_max: dict[str, int] = {"float32": 96, "bfloat16": 96, "int8": 96}
     """Calls up to this many tokens per row (by weight format) still run on the kernel, in pieces of
     ``kernel_max_tokens``: below it the torch path's fixed costs (widening bfloat16/int8 weights to a
@@ -197,6 +221,15 @@ class FastLlama:
         self._kernel: Any = None
         if use_kernel:
             self._kernel = self._build_kernel()
+        self.prefill_compute: torch.dtype | None = (
+            torch.bfloat16 if dtype != "float32" and _native_bfloat16(self.device) else None
+        )
+        """Dtype of the matrix products of long prefills (calls of more than ``kernel_prefill_max``
+        tokens per row, with or without the kernel): bfloat16 for the bfloat16 and int8 formats
+        where the hardware runs it natively, None (float32) otherwise. Prefill is compute-bound,
+        and bfloat16 products run about 2.3x float32's rate on the 2-core EPYC; float32 weights
+        keep float32 products (exact w.r.t. HF). Plain and speculative decoding share the
+        prefill, so their outputs stay identical."""
         self._threads = ThreadTuner()
         """Picks 1 or all threads per kernel call from measured times (see ``threads.py``)."""
         self._record_hidden = False
@@ -391,8 +424,13 @@ class FastLlama:
         elif self._kernel is not None and T <= self.kernel_prefill_max.get(self.dtype, 0):
             out = self._in_pieces(self._forward_kernel, self.kernel_max_tokens, ids, idx, starts, logits)
         else:
+            compute = self.prefill_compute if T > self.kernel_prefill_max.get(self.dtype, 0) else None
+
+            def torch_path(*args: Any) -> torch.Tensor | None:
+                return self._forward_torch(*args, compute=compute)
+
             out = self._threads.follow(
-                lambda: self._in_pieces(self._forward_torch, self.prefill_chunk, ids, idx, starts, logits)
+                lambda: self._in_pieces(torch_path, self.prefill_chunk, ids, idx, starts, logits)
             )
         if self._record_hidden and self.last_hidden is not None:
             for i, (row, start) in enumerate(zip(idx.tolist(), starts.tolist())):
@@ -472,9 +510,12 @@ class FastLlama:
         idx: torch.Tensor,
         starts: torch.Tensor,
         logits: LogitsMode,
+        compute: torch.dtype | None = None,
     ) -> torch.Tensor | None:
         """Matmul + SDPA forward of ``ids`` ``[n, T]`` at positions ``starts[i] + t``.
 
+        ``compute``: the dtype of the matrix products (see ``_linear``); None keeps float32. Norms,
+        rotary embeddings, attention, the residual stream and the KV cache stay float32 either way.
         With ``record_hidden``, keeps the final residual stream ``[n, T, hidden]`` in ``last_hidden``.
         """
         w = self._w
@@ -484,8 +525,10 @@ class FastLlama:
         pos = (starts[:, None] + torch.arange(T)).to(dev)  # [n, T]
         span = int(starts.max()) + T  # keys any query may see
         idx_d = idx.to(dev)
-        # mask[i, 0, t, j]: query t of row i may attend to key position j.
-        mask = (torch.arange(span, device=dev)[None, None, :] <= pos[:, :, None])[:, None]
+        # mask[i, 0, t, j]: query t of row i may attend to key position j. When every row starts
+        # empty, that is the plain causal mask, which SDPA applies by skipping the masked half.
+        causal = int(starts.max()) == 0
+        mask = None if causal else (torch.arange(span, device=dev)[None, None, :] <= pos[:, :, None])[:, None]
         cos = w["cos"][pos][:, :, None, :]  # [n, T, 1, D]
         sin = w["sin"][pos][:, :, None, :]
         contiguous = bool((idx == torch.arange(int(idx[0]), int(idx[0]) + n)).all())
@@ -494,7 +537,8 @@ class FastLlama:
             x = x * w["embed_scale"][ids.to(dev)][..., None]  # int8 rows, dequantised as the kernel does
         for layer, kc, vc in zip(w["layers"], self.k_cache, self.v_cache, strict=True):
             h = _rms_norm(x, layer["in_norm"], self._eps)
-            qkv = _linear(h, layer["wqkv"], layer["bqkv"], layer["wqkv_scale"])  # [n, T, (Hq + 2 Hkv) D]
+            # [n, T, (Hq + 2 Hkv) D]
+            qkv = _linear(h, layer["wqkv"], layer["bqkv"], layer["wqkv_scale"], compute)
             q, k, v = qkv.view(n, T, Hq + 2 * Hkv, D).split([Hq, Hkv, Hkv], dim=2)
             q = q * cos + _rotate_half(q) * sin  # [n, T, Hq, D]
             k = k * cos + _rotate_half(k) * sin  # [n, T, Hkv, D]
@@ -506,20 +550,28 @@ class FastLlama:
             else:
                 keys, values = kc[idx_d, :, :span], vc[idx_d, :, :span]  # [n, Hkv, span, D]
             att = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys, values, attn_mask=mask, scale=D**-0.5, enable_gqa=True
+                q.transpose(1, 2),
+                keys,
+                values,
+                attn_mask=mask,
+                is_causal=causal,
+                scale=D**-0.5,
+                enable_gqa=True,
             )  # [n, Hq, T, D]
             att = att.transpose(1, 2).reshape(n, T, Hq * D)
-            x = x + _linear(att, layer["wo"], layer["bo"], layer["wo_scale"])
+            x = x + _linear(att, layer["wo"], layer["bo"], layer["wo_scale"], compute)
             h = _rms_norm(x, layer["post_norm"], self._eps)
-            gate, up = _linear(h, layer["wgu"], scale=layer["wgu_scale"]).chunk(2, dim=-1)  # [n, T, I] each
-            x = x + _linear(F.silu(gate) * up, layer["wdown"], scale=layer["wdown_scale"])
+            gu = _linear(h, layer["wgu"], scale=layer["wgu_scale"], compute=compute)
+            gate, up = gu.chunk(2, dim=-1)  # [n, T, I] each
+            x = x + _linear(F.silu(gate) * up, layer["wdown"], scale=layer["wdown_scale"], compute=compute)
         if self._record_hidden:
             self.last_hidden = x.float().cpu()  # [n, T, hidden]
         if logits == "none":
             return None
         if logits == "last":
             x = x[:, -1]  # [n, hidden]: only the last position pays for the vocab projection
-        out = _linear(_rms_norm(x, w["norm"], self._eps), w["head"], scale=w["head_scale"]).float()
+        x = _rms_norm(x, w["norm"], self._eps)
+        out = _linear(x, w["head"], scale=w["head_scale"], compute=compute).float()
         return out.cpu()  # sampling and acceptance run on the CPU (a no-op there)
 
 
