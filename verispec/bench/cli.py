@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -324,6 +325,7 @@ def run(args: argparse.Namespace) -> int:
 
     say(f"running {len(configs)} configurations on {len(prompts)} prompts, interleaved")
     started = time.time()
+    bandwidth_during: list[float] = []
     results = run_interleaved(
         configs,
         runners,
@@ -331,6 +333,7 @@ def run(args: argparse.Namespace) -> int:
         req,
         warmup=Sampling(min(8, args.max_new_tokens), sampling, args.seed),
         progress=not args.no_progress,
+        between_prompts=lambda: bandwidth_during.append(memory_bandwidth(reps=3, device=device)),
     )
     rows = aggregate(
         configs,
@@ -342,9 +345,11 @@ def run(args: argparse.Namespace) -> int:
     )
 
     # The machine's bandwidth moves between minutes here (22-43 GB/s on the 2-core EPYC): the bound is
-    # taken from the mean of a reading before and one after the run, and both are reported.
+    # taken from the mean of every reading, before the run, after each prompt and after the run,
+    # so it follows the machine's state while the runs it is compared with were timed.
     bandwidth_after = memory_bandwidth(device=device)
-    bandwidth = (bandwidth_before + bandwidth_after) / 2
+    readings = [bandwidth_before, *bandwidth_during, bandwidth_after]
+    bandwidth = statistics.fmean(readings)
     by_dtype = {}
     for d, t in targets.items():
         wb = weight_bytes(t, d)
@@ -395,7 +400,11 @@ def run(args: argparse.Namespace) -> int:
             "wall_seconds": time.time() - started,
         },
         "memory_bandwidth_bytes_per_second": bandwidth,
-        "memory_bandwidth_samples": {"before": bandwidth_before, "after": bandwidth_after},
+        "memory_bandwidth_samples": {
+            "before": bandwidth_before,
+            "during": bandwidth_during,
+            "after": bandwidth_after,
+        },
         "weight_bytes_per_token": first["weight_bytes_per_token"],
         "bandwidth_bound_tokens_per_second": first["bandwidth_bound_tokens_per_second"],
         "verify_cost_ratio": first["verify_cost_ratio"],

@@ -299,7 +299,12 @@ def goals_markdown(checks: list[dict]) -> str:
 
 
 def _samples(samples: dict | None) -> str:
-    """`` (mean of 28.1 before and 31.0 after the run)`` for the bandwidth readings, if recorded."""
+    """`` (mean of 27 readings through the run, 24.3-33.0; 28.1 before, 31.0 after)`` for the
+    bandwidth readings, if recorded (older results have only ``before`` and ``after``)."""
     if not samples:
         return ""
-    return f" (mean of {samples['before'] / 1e9:.1f} before and {samples['after'] / 1e9:.1f} after the run)"
+    every = [samples["before"], *samples.get("during", []), samples["after"]]
+    return (
+        f" (mean of {len(every)} readings through the run, {min(every) / 1e9:.1f}-{max(every) / 1e9:.1f};"
+        f" {samples['before'] / 1e9:.1f} before, {samples['after'] / 1e9:.1f} after)"
+    )

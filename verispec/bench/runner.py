@@ -27,10 +27,13 @@ def run_interleaved(
     request: Sampling,
     warmup: Sampling | None = None,
     progress: bool = True,
+    between_prompts: Callable[[], None] | None = None,
 ) -> dict[MethodConfig, list[RunResult]]:
     """Run every config on every prompt (``prompts``: token ids), interleaved; results in prompt order.
 
     ``warmup``: the request for one uncounted run of each config on the shortest prompt first.
+    ``between_prompts``: called after each prompt's runs (the bench reads the memory bandwidth
+    there, so the bound is measured through the run, under the load the runs saw).
     """
     if warmup is not None:
         shortest = min(prompts, key=len)
@@ -46,6 +49,8 @@ def run_interleaved(
             bar.set_postfix_str(f"prompt {i + 1}/{len(prompts)} {cfg.label}", refresh=False)
             results[cfg].append(runners[cfg](ids, cfg, request))
             bar.update(1)
+        if between_prompts is not None:
+            between_prompts()
     bar.close()
     return results
 
