@@ -13,7 +13,11 @@ Two paths run the same model on the same preallocated caches:
   per row: decoding and draft verification, where the cost is reading the weights once.
 * the **torch** path (matmuls and ``scaled_dot_product_attention``) is used for long prefills,
   which are compute-bound, on non-CPU devices, and as the fallback when the kernel cannot be built
-  (no compiler, no AVX2, or ``VERISPEC_NO_KERNEL=1``).
+  (no compiler, no AVX2, or ``VERISPEC_NO_KERNEL=1``). With bfloat16 or int8 weights, long
+  prefills run their matrix products in bfloat16 where the hardware has it natively
+  (``prefill_compute``): a 700-token prompt on the 2-core EPYC took int8 1.4 -> 1.0 s, bfloat16
+  1.8 -> 0.9 s (float32 weights: 1.3 s, unchanged). Top-1 agreement with float32 over 4455 prompt
+  positions: int8 96.2% -> 95.8%, bfloat16 99.6% -> 97.7%.
 
 Exactness: on the kernel path every output element is reduced in an order that depends only on its
 own inputs, so a token's logits are bitwise identical whether it is fed alone or together with
