@@ -388,3 +388,38 @@ def test_long_prefill_in_bfloat16_products_stays_close_and_decode_is_untouched(
 def test_float32_weights_keep_float32_prefill() -> None:
     """float32 stays exact w.r.t. the HF model: its prefills never round to bfloat16."""
     assert FastLlama.from_hf(_llama()).prefill_compute is None
+
+
+def _int16_activation_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
+    """The kernel's int8 product: each row of x ``[M, K]`` quantised to int16 with scale
+    max |x| / 32767 (ties to even), exact integer dot products with weight ``[N, K]`` int8, then
+    both scales (in float64, as the kernel) and the bias; ``[M, N]`` float32."""
+    amax = x.abs().amax(-1, keepdim=True)
+    q = torch.round(x * torch.where(amax > 0, 32767.0 / amax, 0.0))
+    y = (q.double() @ weight.double().T) * (amax / 32767.0).double() * scale.double()
+    return y.float() + bias
+
+
+@requires_kernel
+@pytest.mark.parametrize("K", [100, 5000])  # a scalar tail; more than one 4096-k integer chunk
+def test_int8_kernel_linear_is_exact_integer_products_of_int16_activations(K: int) -> None:
+    from verispec.models.fast_llama import _load_kernel
+
+    g = torch.Generator().manual_seed(14)
+    x = torch.randn(5, K, generator=g)
+    x[1, 7] = 300.0  # an outlier row: its other entries keep few bits in int16
+    x[3] = 0.0  # an all-zero row
+    q, scale = _quantize_rows(torch.randn(13, K, generator=g))
+    bias = torch.randn(13, generator=g)
+    got = _load_kernel().FastLlamaKernel(8, 1, 1, 8, 8, 1e-5).linear(x, q, bias, scale)
+    want = _int16_activation_linear(x, q, bias, scale)
+    assert torch.equal(got, want)
+    assert not got[3].sub(bias).any()
+    # Not the float32-activation product: the outlier row's rounding shows.
+    floats = (x.double() @ q.double().T * scale.double()).float() + bias
+    assert not torch.allclose(got[1], floats[1], rtol=1e-6, atol=1e-6)
+    others = [0, 2, 3, 4]  # rows without outliers lose almost nothing
+    torch.testing.assert_close(got[others], floats[others], rtol=1e-3, atol=1e-3)
+
