@@ -423,3 +423,21 @@ def test_int8_kernel_linear_is_exact_integer_products_of_int16_activations(K: in
     others = [0, 2, 3, 4]  # rows without outliers lose almost nothing
     torch.testing.assert_close(got[others], floats[others], rtol=1e-3, atol=1e-3)
 
+
+
+def test_weights_on_huge_pages_where_the_os_allows() -> None:
+    """The matrices move into one 2 MB-aligned buffer (Linux with THP) and the model is unchanged."""
+    from verispec.models.pages import HUGE_PAGE, huge_page_bytes
+
+    hf = _qwen2()  # untied head: every matrix moves
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(15))
+    fast = FastLlama.from_hf(hf, use_kernel=False)
+    if huge_page_bytes(HUGE_PAGE) is None:
+        pytest.skip("no transparent huge pages here")
+    w = fast._w
+    mats = [layer[k] for layer in w["layers"] for k in ("wqkv", "wo", "wgu", "wdown")]
+    mats += [w["embed"], w["head"]]
+    base = mats[0].data_ptr()
+    assert base % HUGE_PAGE == 0
+    assert all(0 <= t.data_ptr() - base < sum(m.nbytes for m in mats) + 64 * len(mats) for t in mats)
+    _close(fast.forward(ids), _reference(hf, ids))

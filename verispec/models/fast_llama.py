@@ -50,7 +50,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -59,6 +58,7 @@ import torch
 import torch.nn.functional as F
 
 from verispec.models.base import LogitsMode, logit_rows, tensor_bytes
+from verispec.models.pages import huge_page_bytes
 from verispec.models.threads import ThreadTuner
 
 logger = logging.getLogger(__name__)
@@ -666,50 +666,30 @@ def _repack(hf_model: Any, dtype: str, max_length: int) -> dict[str, Any]:
     }
 
 
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
-
-
 def _onto_huge_pages(weights: dict[str, Any]) -> None:
-    """Move the weight matrices of ``weights`` (as ``_repack`` builds it) into one buffer that the
-    kernel is asked to back with 2 MB pages (``madvise(MADV_HUGEPAGE)``; Linux, where transparent
-    huge pages are on "madvise" or "always"), in place.
+    """Move the weight matrices of ``weights`` (as ``_repack`` builds it) into one buffer backed by
+    2 MB pages (``huge_page_bytes``), in place.
 
     Why: a decoding step streams every matrix once, 538 MB in float32, through 4 KB pages that the
     TLB cannot hold. Measured on the 2-core EPYC, interleaved rounds of 48 tokens: float32 21.4 ->
-    20.3 ms per token (median of 10), int8 7.8 -> 7.3; a 512 MB sum ran at 30.4-31.2 GB/s on huge
-    pages against 25-28 (once 36) on small ones. Anywhere this cannot be done (another OS, THP off,
-    an error), the tensors stay as they are.
+    20.3 ms per token (median of 10), int8 7.8 -> 7.3. Where huge pages are unavailable, the
+    tensors stay as they are.
     """
-    if not sys.platform.startswith("linux"):
+    slots = [(layer, key) for layer in weights["layers"] for key in ("wqkv", "wo", "wgu", "wdown")]
+    slots.append((weights, "embed"))
+    tied = weights["head"] is weights["embed"]
+    if not tied:
+        slots.append((weights, "head"))
+    sizes = [-(-d[k].numel() * d[k].element_size() // 64) * 64 for d, k in slots]
+    raw = huge_page_bytes(sum(sizes))
+    if raw is None:
         return
-    try:
-        import ctypes
-        import mmap
-
-        slots = [(layer, key) for layer in weights["layers"] for key in ("wqkv", "wo", "wgu", "wdown")]
-        slots.append((weights, "embed"))
-        if weights["head"] is not weights["embed"]:
-            slots.append((weights, "head"))
-        sizes = [-(-d[k].numel() * d[k].element_size() // 64) * 64 for d, k in slots]
-        total = sum(sizes)
-        buf = mmap.mmap(-1, total + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-        offset = -addr % _HUGE_PAGE
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.madvise(ctypes.c_void_p(addr + offset), ctypes.c_size_t(total), _MADV_HUGEPAGE) != 0:
-            return  # THP unavailable: small pages would gain nothing from the copy
-        raw = torch.frombuffer(buf, dtype=torch.uint8, count=total, offset=offset)
-        tied = weights["head"] is weights["embed"]
-        start = 0
-        for (d, k), size in zip(slots, sizes, strict=True):
-            t = d[k]
-            moved = raw[start : start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-            moved.copy_(t)
-            d[k] = moved
-            start += size
-        if tied:
-            weights["head"] = weights["embed"]
-    except (OSError, ValueError, RuntimeError, AttributeError) as exc:  # keep the ordinary tensors
-        logger.debug("weights stay on ordinary pages: %s", exc)
-
+    start = 0
+    for (d, k), size in zip(slots, sizes, strict=True):
+        t = d[k]
+        moved = raw[start : start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        moved.copy_(t)
+        d[k] = moved
+        start += size
+    if tied:
+        weights["head"] = weights["embed"]
