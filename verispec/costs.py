@@ -2,8 +2,9 @@
 
 Speculation pays only when the tokens a step is expected to emit outgrow what the wider step costs.
 On a CPU that cost is far from the idealised 1 (Leviathan et al., 2023): here a forward over 5 tokens
-costs 1.2 one-token steps with float32 weights and 1.7 with int8 weights, whose kernel is
-arithmetic-bound. So the engine times every step by its width (tokens per row) and keeps the figures
+costs 1.0-1.2 one-token steps with float32 weights and 1.3-1.5 with int8 weights (1.7-2.4 before
+the int8 kernel moved to integer products), and it moves with the machine's load. So the engine
+times every step by its width (tokens per row) and keeps the figures
 per target (:func:`costs_for`), and :func:`best_draft_length` picks, per row, the draft length with
 the most expected tokens per unit of measured cost, given the drafter's estimate of each draft
 token's chance of acceptance (:attr:`verispec.proposers.Proposal.accept_probs`).
