@@ -221,3 +221,31 @@ def test_goal_faster_format_speculative_against_llama_cpp():
     assert checks["int8 plain faster than llama.cpp plain"]["met"] is False
     spec = checks["int8 speculative faster than llama.cpp plain"]
     assert spec["met"] is True and "coding 1.06x" in spec["value"]
+
+
+def test_repeats_keep_each_configs_fastest_round_in_rotated_orders() -> None:
+    from verispec.bench.methods import RunResult, Sampling
+    from verispec.bench.runner import run_interleaved
+    from verispec.config import SamplingConfig
+
+    configs = [MethodConfig("autoregressive"), MethodConfig("prompt-lookup", k=4)]
+    calls: list[tuple[int, str]] = []
+    seconds = iter([5.0, 3.0, 1.0, 4.0, 2.0, 6.0, 7.0, 8.0])  # in call order
+
+    def runner(ids, cfg, request):
+        calls.append((ids[0], cfg.method))
+        return RunResult(token_ids=[1], seconds=next(seconds), first_token_seconds=0.1, first_tokens=1)
+
+    request = Sampling(4, SamplingConfig(temperature=0.0))
+    out = run_interleaved(
+        configs, dict.fromkeys(configs, runner), [[10], [20]], request, progress=False, repeats=2
+    )
+    # Every round of a prompt runs every config, each round rotated by one more.
+    assert calls == [
+        (10, "autoregressive"), (10, "prompt-lookup"), (10, "prompt-lookup"), (10, "autoregressive"),
+        (20, "autoregressive"), (20, "prompt-lookup"), (20, "prompt-lookup"), (20, "autoregressive"),
+    ]  # fmt: skip
+    assert [r.seconds for r in out[configs[0]]] == [4.0, 2.0]
+    assert [r.seconds for r in out[configs[1]]] == [1.0, 6.0]
+    with pytest.raises(ValueError):
+        run_interleaved(configs, dict.fromkeys(configs, runner), [[10]], request, progress=False, repeats=0)

@@ -92,6 +92,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_device_argument(p)
     p.add_argument("--out", default="bench-results", help="output folder")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds of every method per prompt; each keeps its fastest (default 1)",
+    )
 
 
 def _int_list(text: str, name: str) -> list[int]:
@@ -123,6 +129,8 @@ def parse_options(args: argparse.Namespace) -> tuple[list[str], list[int], list[
         raise ConfigError(f"unknown --dtype {', '.join(bad)}; choose from {', '.join(DTYPES)}")
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
     if not 0.0 <= args.confidence_threshold < 1.0:
         raise ConfigError(f"--confidence-threshold must lie in [0, 1), got {args.confidence_threshold}")
     return methods, ks, dtypes
@@ -334,6 +342,7 @@ def run(args: argparse.Namespace) -> int:
         warmup=Sampling(min(8, args.max_new_tokens), sampling, args.seed),
         progress=not args.no_progress,
         between_prompts=lambda: bandwidth_during.append(memory_bandwidth(reps=3, device=device)),
+        repeats=args.repeats,
     )
     rows = aggregate(
         configs,
@@ -383,6 +392,7 @@ def run(args: argparse.Namespace) -> int:
             "categories": list(dict.fromkeys(p.category for p in prompts)),
             "prompts": len(prompts),
             "per_category": args.per_category,
+            "repeats": args.repeats,
             "max_new_tokens": args.max_new_tokens,
             "temperature": sampling.temperature,
             "top_k": sampling.top_k,

@@ -28,27 +28,41 @@ def run_interleaved(
     warmup: Sampling | None = None,
     progress: bool = True,
     between_prompts: Callable[[], None] | None = None,
+    repeats: int = 1,
 ) -> dict[MethodConfig, list[RunResult]]:
     """Run every config on every prompt (``prompts``: token ids), interleaved; results in prompt order.
 
     ``warmup``: the request for one uncounted run of each config on the shortest prompt first.
     ``between_prompts``: called after each prompt's runs (the bench reads the memory bandwidth
     there, so the bound is measured through the run, under the load the runs saw).
+    ``repeats``: rounds of every config per prompt (each round in another rotated order); each
+    config keeps its fastest round on the prompt, so a burst of other load on one request does not
+    decide a cell. Every config is treated alike.
     """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     if warmup is not None:
         shortest = min(prompts, key=len)
         for cfg in tqdm(configs, desc="warm-up", file=sys.stderr, disable=not progress, leave=False):
             runners[cfg](shortest, cfg, warmup)
     results: dict[MethodConfig, list[RunResult]] = {cfg: [] for cfg in configs}
     bar = tqdm(
-        total=len(prompts) * len(configs), desc="bench", file=sys.stderr, disable=not progress, unit="run"
+        total=len(prompts) * len(configs) * repeats,
+        desc="bench",
+        file=sys.stderr,
+        disable=not progress,
+        unit="run",
     )
     for i, ids in enumerate(prompts):
-        shift = i % len(configs)
-        for cfg in configs[shift:] + configs[:shift]:
-            bar.set_postfix_str(f"prompt {i + 1}/{len(prompts)} {cfg.label}", refresh=False)
-            results[cfg].append(runners[cfg](ids, cfg, request))
-            bar.update(1)
+        rounds: dict[MethodConfig, list[RunResult]] = {cfg: [] for cfg in configs}
+        for r in range(repeats):
+            shift = (i * repeats + r) % len(configs)
+            for cfg in configs[shift:] + configs[:shift]:
+                bar.set_postfix_str(f"prompt {i + 1}/{len(prompts)} {cfg.label}", refresh=False)
+                rounds[cfg].append(runners[cfg](ids, cfg, request))
+                bar.update(1)
+        for cfg in configs:
+            results[cfg].append(min(rounds[cfg], key=lambda run: run.seconds))
         if between_prompts is not None:
             between_prompts()
     bar.close()
