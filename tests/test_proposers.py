@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -59,3 +60,26 @@ def test_propose_pads_rows_and_reports_lengths() -> None:
 def test_bad_settings_are_refused(bad: dict) -> None:
     with pytest.raises(ValueError):
         PromptLookup(**bad)
+
+
+def _naive_match(seq: list[int], max_ngram: int) -> tuple[int, int]:
+    """The definition of ``PromptLookup.match``, token by token."""
+    n, best, start = len(seq), 0, 0
+    for end in range(n - 1):  # an earlier occurrence ending at `end`
+        length = 0
+        while length < max_ngram and end - length >= 0 and seq[end - length] == seq[n - 1 - length]:
+            length += 1
+        if length and length >= best:  # ties: the most recent
+            best, start = length, end + 1
+    return (start, best) if best else (0, 0)
+
+
+def test_match_is_the_longest_most_recent_earlier_occurrence() -> None:
+    rng = np.random.default_rng(3)
+    for _ in range(3000):
+        n, vocab = int(rng.integers(1, 120)), int(rng.integers(1, 6))
+        seq = rng.integers(0, vocab, n)
+        if rng.random() < 0.3:  # periodic text: many candidates, long matches
+            seq = np.tile(seq[: max(1, n // 6)], 8)[:n]
+        pl = PromptLookup(max_ngram=int(rng.integers(1, 40)))
+        assert pl.match(seq) == _naive_match(seq.tolist(), pl.max_ngram)

@@ -351,18 +351,18 @@ class PromptLookup:
         n = a.shape[0]
         if n < 2:
             return 0, 0
-        ends = np.flatnonzero(a[:-1] == a[-1])  # candidate occurrences, by their last index
+        ends = np.flatnonzero(a[:-1] == a[-1])  # [C] candidate occurrences, by their last index
         if ends.size == 0:
             return 0, 0
-        length = 1
-        # Extend every candidate backwards together; the survivors of the longest round win.
-        while length < self.max_ngram:
-            ok = ends[ends >= length]
-            ok = ok[a[ok - length] == a[n - 1 - length]]
-            if ok.size == 0:
-                break
-            ends, length = ok, length + 1
-        return int(ends[-1]) + 1, length
+        # Compare every candidate with the suffix at all offsets at once ([C, L] booleans) and
+        # count each one's leading run of equal tokens: one pass of numpy instead of a round per
+        # matched token (repetitive text, where many candidates match long, cost milliseconds).
+        back = np.arange(min(self.max_ngram, n - 1))  # [L] offsets from the end
+        pos = ends[:, None] - back[None, :]  # [C, L]
+        same = (pos >= 0) & (a[np.maximum(pos, 0)] == a[n - 1 - back][None, :])
+        lengths = np.logical_and.accumulate(same, axis=1).sum(axis=1)  # [C]
+        best = int(lengths.max())
+        return int(ends[np.flatnonzero(lengths == best)[-1]]) + 1, best
 
     def lookup(self, seq: Sequence[int] | torch.Tensor, k: int) -> list[int]:
         """Up to k tokens (fewer with ``tokens_per_match``) that followed the match of ``seq``'s
