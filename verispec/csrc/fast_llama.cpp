@@ -257,6 +257,68 @@ inline void quantize_rows_i16(const float* x, int64_t M, int64_t ldx, int64_t K,
   }
 }
 
+// exp of 8 floats: n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts), a degree-7 polynomial
+// for exp(r) (Cephes' expf coefficients), times 2^n. Inputs are clamped to [-87.3, 88] (2^-126 and
+// 2^127 stay normal); relative error about 2 ulp. Every element goes through this same code, so a
+// score's weight depends only on the score.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.33654f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 q = _mm256_set1_ps(1.9875691500e-4f);
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.3981999507e-3f));
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(8.3334519073e-3f));
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(4.1665795894e-2f));
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.6666665459e-1f));
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(5.0000001201e-1f));
+  q = _mm256_fmadd_ps(q, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(q, _mm256_castsi256_ps(e));
+}
+
+// p[0..n) *= scale, then p[j] = exp(p[j] - max p); returns sum p[j] (8 lanes over j, then the lanes
+// in order). Fixed order for a given n, so a query's weights do not depend on other queries.
+inline float softmax_numerators(float* p, int64_t n, float scale) {
+  const __m256 vs = _mm256_set1_ps(scale);
+  __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(p + j), vs);
+    _mm256_storeu_ps(p + j, v);
+    vmax = _mm256_max_ps(vmax, v);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  float mx = lanes[0];
+  for (int i = 1; i < 8; ++i) mx = std::max(mx, lanes[i]);
+  for (; j < n; ++j) {
+    p[j] *= scale;
+    mx = std::max(mx, p[j]);
+  }
+  const __m256 vm = _mm256_set1_ps(mx);
+  __m256 vsum = _mm256_setzero_ps();
+  for (j = 0; j + 8 <= n; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), vm));
+    _mm256_storeu_ps(p + j, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  _mm256_store_ps(lanes, vsum);
+  float sum = 0.0f;
+  for (int i = 0; i < 8; ++i) sum += lanes[i];
+  if (j < n) {  // the tail through the same exp8, padded
+    alignas(32) float t[8];
+    for (int i = 0; i < 8; ++i) t[i] = j + i < n ? p[j + i] - mx : -100.0f;
+    _mm256_store_ps(t, exp8(_mm256_load_ps(t)));
+    for (int64_t i = 0; j + i < n; ++i) {
+      p[j + i] = t[i];
+      sum += t[i];
+    }
+  }
+  return sum;
+}
+
 // Rows m0 .. m0+MR of the input against weight rows n0 .. n0+nr (nr <= 4).
 template <int MR, typename WT>
 inline void tile_rows(const float* x, int64_t ldx, const WT* w, int64_t K, int64_t nr,
@@ -700,7 +762,6 @@ class FastLlamaKernel {
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
     at::parallel_for(0, M * Hq_, 1, [&](int64_t u0, int64_t u1) {
       std::vector<float> p(S);
-      std::vector<float> acc(D);
       for (int64_t u = u0; u < u1; ++u) {
         const int64_t m = u / Hq_, h = u % Hq_, g = h / G;
         const float* q = qkv_.data() + m * QKV + h * D;
@@ -710,29 +771,23 @@ class FastLlamaKernel {
         int64_t j = 0;
         for (; j + 4 <= n; j += 4) dot4(q, K + j * D, D, p.data() + j);
         for (; j < n; ++j) p[j] = dot(q, K + j * D, D);
-        float mx = -std::numeric_limits<float>::infinity();
-        for (j = 0; j < n; ++j) {
-          p[j] *= scale;
-          mx = std::max(mx, p[j]);
-        }
-        float sum = 0.0f;
-        for (j = 0; j < n; ++j) {
-          p[j] = std::exp(p[j] - mx);
-          sum += p[j];
-        }
+        const float sum = softmax_numerators(p.data(), n, scale);
         const float inv = 1.0f / sum;
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (j = 0; j < n; ++j) {
-          const float w = p[j] * inv;
-          const float* v = Vv + j * D;
-          int64_t d = 0;
-          const __m256 wv = _mm256_set1_ps(w);
-          for (; d + 8 <= D; d += 8)
-            _mm256_storeu_ps(acc.data() + d,
-                             _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + d), _mm256_loadu_ps(acc.data() + d)));
-          for (; d < D; ++d) acc[d] += w * v[d];
+        for (j = 0; j < n; ++j) p[j] *= inv;
+        // Output = sum_j p[j] V[j], each element summed over j in order; 8 columns at a time in a
+        // register (the same arithmetic as one column at a time).
+        float* out = att_.data() + m * Hq_ * D + h * D;
+        int64_t d = 0;
+        for (; d + 8 <= D; d += 8) {
+          __m256 a = _mm256_setzero_ps();
+          for (j = 0; j < n; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(Vv + j * D + d), a);
+          _mm256_storeu_ps(out + d, a);
         }
-        std::memcpy(att_.data() + m * Hq_ * D + h * D, acc.data(), D * sizeof(float));
+        for (; d < D; ++d) {
+          float a = 0.0f;
+          for (j = 0; j < n; ++j) a = std::fma(p[j], Vv[j * D + d], a);
+          out[d] = a;
+        }
       }
     });
   }

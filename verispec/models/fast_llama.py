@@ -97,8 +97,10 @@ def _load_kernel() -> Any:
         if capability == "AVX512" and getattr(torch.cpu, "_is_vnni_supported", lambda: False)():
             flags += ["-mavx512vnni", "-mavx512vl"]  # int8 products in one instruction, not two
         # The name carries the source hash so processes running different versions never share
-        # (or fight over) one build directory.
-        digest = hashlib.sha256(_SRC.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+        # (or fight over) one build directory, and the source's path, since ninja rebuilds when
+        # the same source comes from another checkout.
+        key = _SRC.read_bytes() + " ".join(flags).encode() + str(_SRC).encode()
+        digest = hashlib.sha256(key).hexdigest()[:12]
         name = f"verispec_fast_llama_{digest}"
         build = Path(os.environ.get("VERISPEC_CACHE", Path.home() / ".cache" / "verispec")) / name
         build.mkdir(parents=True, exist_ok=True)
