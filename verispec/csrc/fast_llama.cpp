@@ -350,9 +350,6 @@ inline void tile_any(int64_t mr, const float* x, int64_t ldx, const WT* w, int64
   }
 }
 
-// y[M, N] (+)= (x[M, K] @ w[N, K]^T) * scale[N] + bias. Threads split the weight rows, so each thread streams
-// its half of the weights once; within a block of 8 weight rows every input row is applied while
-// the block is in L1.
 // Prefetch distance in bytes (about 1-2 blocks of rows ahead). Measured on the 2-core EPYC, all
 // SmolLM2 matrices, 1 / 5 input rows, min of 13 interleaved rounds: float32 37 KB 19.1 / 19.0 ms,
 // 74 KB 19.0 / 19.6; bfloat16 18 KB 11.5 / 19.1, 74 KB 13.0 / 20.6; int8 9 KB 9.0 / 14.9, 18 KB
@@ -360,11 +357,36 @@ inline void tile_any(int64_t mr, const float* x, int64_t ldx, const WT* w, int64
 // 25.6 / 29.1, bfloat16 18.6 / 20.6, int8 10.4 / 14.3).
 constexpr int64_t kPrefetchBytes = 24 * 1024;
 
+// The schedule shared by every weight type: threads split the weight rows into blocks of 8; each
+// block meets the input rows in passes of up to 6 (split evenly, 9 = 5 + 4, not 6 + 3: fewer passes
+// means fewer weight loads per multiply; the split never changes any element's arithmetic), and only
+// the first pass prefetches, later ones find the block in L1/L2. `pass(m, mr, n0, nr, first)` computes
+// input rows m .. m+mr against weight rows n0 .. n0+nr.
+template <typename Pass>
+void for_each_pass(int64_t M, int64_t N, const Pass& pass) {
+  constexpr int64_t NB = 8;
+  const int64_t nblocks = (N + NB - 1) / NB;
+  at::parallel_for(0, nblocks, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * NB;
+      const int64_t nr = std::min(NB, N - n0);
+      for (int64_t m = 0; m < M;) {
+        const int64_t rest = M - m;
+        const int64_t mr = rest <= 6 ? rest : rest <= 12 ? (rest + 1) / 2 : 6;
+        pass(m, mr, n0, nr, m == 0);
+        m += mr;
+      }
+    }
+  });
+}
+
+// y[M, N] (+)= (x[M, K] @ w[N, K]^T) * scale[N] + bias. Threads split the weight rows, so each thread
+// streams its half of the weights once; within a block of 8 weight rows every input row is applied
+// while the block is in L1 (`for_each_pass`).
 template <typename WT>
 void linear(const float* x, int64_t M, int64_t ldx, const WT* w, int64_t N, int64_t K,
             const float* scale, const float* bias, float* y, int64_t ldy, bool accumulate) {
-  constexpr int64_t NB = 8;
-  const int64_t nblocks = (N + NB - 1) / NB;
+  constexpr int64_t pf = kPrefetchBytes / static_cast<int64_t>(sizeof(WT));  // in weights
   if constexpr (std::is_same_v<WT, i8>) {
     thread_local std::vector<int16_t> xq;
     thread_local std::vector<float> xs;
@@ -373,42 +395,16 @@ void linear(const float* x, int64_t M, int64_t ldx, const WT* w, int64_t N, int6
     quantize_rows_i16(x, M, ldx, K, xq.data(), xs.data());
     const int16_t* q = xq.data();
     const float* qs = xs.data();
-    at::parallel_for(0, nblocks, 16, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) {
-        const int64_t n0 = b * NB;
-        const int64_t nr = std::min(NB, N - n0);
-        const float* bb = bias ? bias + n0 : nullptr;
-        int64_t pf = kPrefetchBytes;
-        for (int64_t m = 0; m < M; pf = 0) {
-          const int64_t rest = M - m;
-          const int64_t mr = rest <= 6 ? rest : rest <= 12 ? (rest + 1) / 2 : 6;
-          tile_any_q(mr, q + m * K, K, qs + m, w + n0 * K, K, nr, scale + n0, bb, y + m * ldy + n0, ldy,
-                     accumulate, pf);
-          m += mr;
-        }
-      }
+    for_each_pass(M, N, [&](int64_t m, int64_t mr, int64_t n0, int64_t nr, bool first) {
+      tile_any_q(mr, q + m * K, K, qs + m, w + n0 * K, K, nr, scale + n0, bias ? bias + n0 : nullptr,
+                 y + m * ldy + n0, ldy, accumulate, first ? pf : 0);
     });
-    return;
+  } else {
+    for_each_pass(M, N, [&](int64_t m, int64_t mr, int64_t n0, int64_t nr, bool first) {
+      tile_any(mr, x + m * ldx, ldx, w + n0 * K, K, nr, scale ? scale + n0 : nullptr,
+               bias ? bias + n0 : nullptr, y + m * ldy + n0, ldy, accumulate, first ? pf : 0);
+    });
   }
-  at::parallel_for(0, nblocks, 16, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * NB;
-      const int64_t nr = std::min(NB, N - n0);
-      const float* bb = bias ? bias + n0 : nullptr;
-      const float* sb = scale ? scale + n0 : nullptr;
-      // Only the first pass over the block prefetches; later passes find it in L1/L2.
-      int64_t pf = kPrefetchBytes / static_cast<int64_t>(sizeof(WT));
-      for (int64_t m = 0; m < M; pf = 0) {
-        // Up to 6 input rows per pass, split evenly (9 = 5 + 4, not 6 + 3): fewer passes means
-        // fewer weight loads per FMA. The split never changes any element's arithmetic.
-        const int64_t rest = M - m;
-        const int64_t mr = rest <= 6 ? rest : rest <= 12 ? (rest + 1) / 2 : 6;
-        tile_any(mr, x + m * ldx, ldx, w + n0 * K, K, nr, sb, bb, y + m * ldy + n0, ldy, accumulate,
-                 pf);
-        m += mr;
-      }
-    }
-  });
 }
 
 // Sum of squares in fixed order: 8 lanes over the row, hsum, scalar tail.
