@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from verispec.bench.measure import (
+    bandwidth_probe,
     conditional_acceptance,
     draft_fraction,
     forward_seconds,
@@ -307,7 +308,8 @@ def run(args: argparse.Namespace) -> int:
 
     say("measuring memory bandwidth and forward costs")
     device = getattr(next(iter(targets.values())), "device", "cpu")
-    bandwidth_before = memory_bandwidth(device=device)
+    probe = bandwidth_probe(device=device)  # one 512 MiB tensor for every reading of the run
+    bandwidth_before = memory_bandwidth(probe=probe)
     widths = sorted({1, 5, *(k + 1 for k in ks)})  # 5: verify_cost_ratio; k + 1: each k's prediction
     costs = {d: verify_costs(t, widths) for d, t in targets.items()}
     draft_cost: dict[tuple[str, str], float] = {}
@@ -341,7 +343,7 @@ def run(args: argparse.Namespace) -> int:
         req,
         warmup=Sampling(min(8, args.max_new_tokens), sampling, args.seed),
         progress=not args.no_progress,
-        between_prompts=lambda: bandwidth_during.append(memory_bandwidth(reps=3, device=device)),
+        between_prompts=lambda: bandwidth_during.append(memory_bandwidth(reps=3, probe=probe)),
         repeats=args.repeats,
     )
     rows = aggregate(
@@ -353,10 +355,10 @@ def run(args: argparse.Namespace) -> int:
         predict=predict,
     )
 
-    # The machine's bandwidth moves between minutes here (22-43 GB/s on the 2-core EPYC): the bound is
+    # The machine's bandwidth moves between minutes here (24-64 GB/s on the 2-core EPYC): the bound is
     # taken from the mean of every reading, before the run, after each prompt and after the run,
     # so it follows the machine's state while the runs it is compared with were timed.
-    bandwidth_after = memory_bandwidth(device=device)
+    bandwidth_after = memory_bandwidth(probe=probe)
     readings = [bandwidth_before, *bandwidth_during, bandwidth_after]
     bandwidth = statistics.fmean(readings)
     by_dtype = {}

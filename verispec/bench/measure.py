@@ -83,21 +83,29 @@ def _median_seconds(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
-def memory_bandwidth(
-    num_bytes: int = 512 * 2**20, reps: int = 7, device: str | torch.device = "cpu"
-) -> float:
-    """Memory read bandwidth in bytes/s of ``device`` (where the target's weights live): median time
-    of summing a float32 tensor far larger than its caches. On a CPU the tensor is on 2 MB pages
-    where the OS allows, as the fast path's weights are (``huge_page_bytes``), so the bound is what
-    the machine reads at best, not what 4 KB pages let through."""
+def bandwidth_probe(num_bytes: int = 512 * 2**20, device: str | torch.device = "cpu") -> torch.Tensor:
+    """The float32 tensor ``memory_bandwidth`` sums, far larger than the caches of ``device``. On a
+    CPU it sits on 2 MB pages where the OS allows, as the fast path's weights do
+    (``huge_page_bytes``), so the bound is what the machine reads at best, not what 4 KB pages let
+    through. Build it once to take several readings."""
     raw = huge_page_bytes(num_bytes // 4 * 4) if torch.device(device).type == "cpu" else None
     if raw is not None:
-        x = raw.view(torch.float32).fill_(1.0)
-    else:
-        x = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
+        return raw.view(torch.float32).fill_(1.0)
+    return torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
+
+
+def memory_bandwidth(
+    num_bytes: int = 512 * 2**20,
+    reps: int = 7,
+    device: str | torch.device = "cpu",
+    probe: torch.Tensor | None = None,
+) -> float:
+    """Memory read bandwidth in bytes/s of ``device`` (where the target's weights live): median time
+    of summing ``probe`` (default: a new ``bandwidth_probe(num_bytes, device)``)."""
+    x = bandwidth_probe(num_bytes, device) if probe is None else probe
     float(x.sum())  # touch every page first (and wait for the device)
     seconds = _median_seconds(lambda: float(x.sum()), reps)
-    return num_bytes / seconds
+    return x.numel() * x.element_size() / seconds
 
 
 def weight_bytes(model, dtype: str = "float32") -> int:
