@@ -32,17 +32,15 @@ median ms for T = 1 / 5 new tokens, session 4, with the kernel's L2 prefetch): f
 in the same minute); bfloat16 11.5 / 15.4 (compute-bound beyond one token: widening costs two
 instructions per 8 weights); int8 then 6.8 / 13.8, and since session 5, with int16 activations and
 integer products, 7.4-8.3 / 10.8-13.1 in runs interleaved with the old build's 8.2-8.3 / 18.0-24.3.
-Before (L1 prefetch every 32 bytes,
-same script, same hour): float32 36.1 / 40.2, bfloat16 22.6 / 28.4, int8 10.1 / 15.4. Earlier,
-HF eager 66 / 107 and the torch path float32 63 / 75.
+Before (L1 prefetch every 32 bytes, same script, same hour): float32 36.1 / 40.2, bfloat16 22.6 /
+28.4, int8 10.1 / 15.4. Earlier, HF eager 66 / 107 and the torch path float32 63 / 75.
 
 Weight formats (``DTYPES``): int8 is symmetric with one float32 scale per weight row; on the
 kernel path it multiplies activations quantised per row to int16 (see the C++ source), which left
 top-1 agreement with float32 at 95.56% against 95.54% with float32 activations (5721 positions of
-40 Spec-Bench prompts). Against
-float32 on 1292 positions of Spec-Bench prompts, the top-1 token agrees at 96.1% (bfloat16: 99.7%),
-mean KL 0.006 nats (bfloat16: 0.0001). Groups of 32 along K would give 97.7% / 0.002 (simulated) at
-the cost of a multiply per weight vector and 12% more bytes.
+40 Spec-Bench prompts). Against float32 on 1292 positions of Spec-Bench prompts, the top-1 token
+agrees at 96.1% (bfloat16: 99.7%), mean KL 0.006 nats (bfloat16: 0.0001). Groups of 32 along K
+would give 97.7% / 0.002 (simulated) at the cost of a multiply per weight vector and 12% more bytes.
 
 Cache invariant (see ``base.py``): row ``r`` holds ``lengths[r]`` tokens at positions
 ``0 .. lengths[r] - 1`` of its slice of every ``[B, H_kv, S, D]`` cache; ``truncate`` only lowers the
@@ -52,6 +50,7 @@ reads keys ``0 .. p`` only.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -441,10 +440,7 @@ class FastLlama:
             out = self._in_pieces(self._forward_kernel, self.kernel_max_tokens, ids, idx, starts, logits)
         else:
             compute = self.prefill_compute if T > self.kernel_prefill_max.get(self.dtype, 0) else None
-
-            def torch_path(*args: Any) -> torch.Tensor | None:
-                return self._forward_torch(*args, compute=compute)
-
+            torch_path = functools.partial(self._forward_torch, compute=compute)
             out = self._threads.follow(
                 lambda: self._in_pieces(torch_path, self.prefill_chunk, ids, idx, starts, logits)
             )
@@ -543,7 +539,7 @@ class FastLlama:
         idx_d = idx.to(dev)
         # mask[i, 0, t, j]: query t of row i may attend to key position j. When every row starts
         # empty, that is the plain causal mask, which SDPA applies by skipping the masked half.
-        causal = int(starts.max()) == 0
+        causal = span == T
         mask = None if causal else (torch.arange(span, device=dev)[None, None, :] <= pos[:, :, None])[:, None]
         cos = w["cos"][pos][:, :, None, :]  # [n, T, 1, D]
         sin = w["sin"][pos][:, :, None, :]
