@@ -83,3 +83,49 @@ def test_match_is_the_longest_most_recent_earlier_occurrence() -> None:
             seq = np.tile(seq[: max(1, n // 6)], 8)[:n]
         pl = PromptLookup(max_ngram=int(rng.integers(1, 40)))
         assert pl.match(seq) == _naive_match(seq.tolist(), pl.max_ngram)
+
+
+def test_propose_follows_growing_replaced_and_edited_sequences() -> None:
+    """propose keeps each slot's tokens as an array extended between calls; whatever happens to the
+    lists (growth past the buffer's capacity, a new sequence after ``start``, a list cut short or
+    rewritten at its end), each proposal must be the one the lists' current tokens define."""
+    rng = np.random.default_rng(5)
+    pl = PromptLookup(max_ngram=12)
+    params = SamplingTensors.from_configs([SamplingConfig(temperature=0.0)] * 2)
+    seqs = [[int(t) for t in rng.integers(0, 20, 30)] for _ in range(2)]
+    for slot, seq in enumerate(seqs):
+        pl.start(slot, seq)
+    proposed = 0
+    for step in range(400):
+        for slot, seq in enumerate(seqs):
+            if step == 150 and slot == 0:  # a new, shorter sequence in the slot
+                seqs[0] = seq = [int(t) for t in rng.integers(0, 20, 10)]
+                pl.start(0, seq)
+            elif step == 250 and slot == 1:  # a new one as long, ending as the old one did
+                seqs[1] = seq = [int(t) for t in rng.integers(0, 20, len(seq) - 8)] + seq[-8:]
+                pl.start(1, seq)
+            elif step % 37 == 36:  # cut short, then regrown below with other tokens
+                del seq[-int(rng.integers(1, 6)) :]
+            elif step % 23 == 22:  # the last committed tokens rewritten in place
+                seq[-int(rng.integers(1, 4))] = int(rng.integers(20, 25))
+            if rng.random() < 0.5:  # a repeat: what prompt lookup lives on
+                start = int(rng.integers(0, len(seq) - 3))
+                seq += seq[start : start + int(rng.integers(1, 10))]
+            else:
+                seq += [int(t) for t in rng.integers(0, 20, int(rng.integers(1, 4)))]
+        want = [int(w) for w in rng.integers(1, 8, 2)]
+        prop = pl.propose([0, 1], seqs, torch.tensor(want), params, [None, None])
+        fresh = PromptLookup(max_ngram=12).propose([0, 1], seqs, torch.tensor(want), params, [None, None])
+        assert torch.equal(prop.tokens, fresh.tokens) and torch.equal(prop.num_draft, fresh.num_draft)
+        assert prop.accept_probs is not None and prop.accept_probs.dtype == torch.float32
+        for row, seq in enumerate(seqs):
+            start, length = _naive_match(seq, pl.max_ngram)
+            draft = seq[start : start + want[row]] if length else []
+            n = int(prop.num_draft[row])
+            assert n == len(draft) and prop.tokens[row, :n].tolist() == draft
+            assert not prop.tokens[row, n:].any() and not prop.accept_probs[row, n:].any()
+            # The learned estimate for each copied token, from the scalar path.
+            estimates = [pl.acceptance(row, length + i) for i in range(n)]
+            assert torch.equal(prop.accept_probs[row, :n], torch.tensor(estimates, dtype=torch.float32))
+            proposed += n
+    assert len(seqs[1]) > 512 and proposed > 1000  # past two doublings of the buffer, drafting throughout

@@ -14,6 +14,7 @@ asks which proposer it holds.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -212,6 +213,7 @@ class AcceptanceCounts:
 
     def __init__(self, prior: Sequence[float], prior_weight: float):
         self.prior = tuple(float(p) for p in prior)
+        self._prior = np.asarray(self.prior)  # [buckets] float64
         self.prior_weight = float(prior_weight)
         self._counts: dict[int, np.ndarray] = {}
         """Per slot, ``[buckets, 2]``: tokens accepted and observed, by bucket."""
@@ -227,6 +229,14 @@ class AcceptanceCounts:
         counts = self._counts.get(slot)
         ok, seen = (0.0, 0.0) if counts is None else counts[bucket]
         return (self.prior[bucket] * self.prior_weight + ok) / (self.prior_weight + seen)
+
+    def estimates(self, slot: int) -> list[float]:
+        """``estimate(slot, b)`` for every bucket ``b``, in one pass of numpy (the same arithmetic)."""
+        counts = self._counts.get(slot)
+        if counts is None:
+            counts = np.zeros((len(self.prior), 2))
+        ok, seen = counts[:, 0], counts[:, 1]  # [buckets] each
+        return ((self._prior * self.prior_weight + ok) / (self.prior_weight + seen)).tolist()
 
     def remember(self, slot: int, at: int, buckets: Sequence[int], tokens: Sequence[int]) -> None:
         """A proposal of ``tokens`` made when ``at`` tokens were committed."""
@@ -248,7 +258,41 @@ class AcceptanceCounts:
 
 def lookup_bucket(length: int) -> int:
     """Index of the :data:`LOOKUP_BUCKETS` bucket holding match length ``length`` (>= 1)."""
-    return int(np.searchsorted(LOOKUP_BUCKETS, length, side="right")) - 1
+    return bisect.bisect_right(LOOKUP_BUCKETS, length) - 1
+
+
+class _TokenBuffer:
+    """One slot's committed tokens as an int64 array, extended by the tokens added since the last
+    sync instead of converting the whole list at every proposal (which cost a third of one).
+
+    The engine only appends to a slot's list between ``start`` calls; a list that got shorter, or
+    whose last :data:`_SYNC_CHECK` already-synced tokens no longer match, is converted again whole.
+    """
+
+    def __init__(self) -> None:
+        self.data = np.empty(256, dtype=np.int64)  # [capacity]; the first `size` hold the tokens
+        self.size = 0
+
+    def sync(self, toks: Sequence[int]) -> np.ndarray:
+        """``[len(toks)]`` int64 view of ``toks``, valid until the next sync."""
+        n, have = len(toks), self.size
+        check = min(have, _SYNC_CHECK)
+        if n < have or (check and list(toks[have - check : have]) != self.data[have - check : have].tolist()):
+            have = 0
+        if n > self.data.shape[0]:  # double the capacity: appends stay amortised O(1)
+            grown = np.empty(max(n, 2 * self.data.shape[0]), dtype=np.int64)
+            grown[:have] = self.data[:have]
+            self.data = grown
+        if n == have + 1:
+            self.data[have] = toks[have]
+        elif n > have:
+            self.data[have:n] = toks[have:n]
+        self.size = n
+        return self.data[:n]
+
+
+_SYNC_CHECK = 8
+"""Already-synced tokens compared with the list at each sync (the tail, where a rewrite would be)."""
 
 
 class PromptLookup:
@@ -291,6 +335,8 @@ class PromptLookup:
         """If set, at most this many draft tokens per matched token (a fixed rule; None: as many as k)."""
         self._stats = AcceptanceCounts(prior, prior_weight)
         """Acceptance by match-length bucket, learned per slot."""
+        self._buffers: dict[int, _TokenBuffer] = {}
+        """Per slot, the committed tokens as an array, extended at each proposal."""
 
     @property
     def prior(self) -> tuple[float, ...]:
@@ -303,6 +349,7 @@ class PromptLookup:
     def start(self, slot: int, tokens: Sequence[int]) -> None:
         """A new sequence: forget what the slot's previous one taught."""
         self._stats.start(slot)
+        self._buffers.pop(slot, None)
 
     def acceptance(self, slot: int, length: int) -> float:
         """Estimated chance that the token copied after a match of ``length`` tokens is accepted."""
@@ -322,22 +369,32 @@ class PromptLookup:
         k = int(num_tokens.max()) if batch else 0
         if k == 0:
             return _empty(batch)
-        tokens = torch.zeros(batch, k, dtype=torch.int64)
-        accept = torch.zeros(batch, k)
-        num_draft = torch.zeros(batch, dtype=torch.int64)
-        for row, (slot, toks) in enumerate(zip(slots, committed)):
+        # Filled as arrays, one tensor each at the end: a torch call per row costs more than the row.
+        tokens = np.zeros((batch, k), dtype=np.int64)
+        accept = np.zeros((batch, k), dtype=np.float32)
+        num_draft = np.zeros(batch, dtype=np.int64)
+        for row, (slot, toks, want) in enumerate(zip(slots, committed, num_tokens.tolist())):
             self._stats.learn(slot, toks)
-            a = np.asarray(toks, dtype=np.int64)
+            buffer = self._buffers.get(slot)
+            if buffer is None:
+                buffer = self._buffers[slot] = _TokenBuffer()
+            a = buffer.sync(toks)  # [N]
             start, length = self.match(a)
             if length < self.min_ngram:
                 continue
-            found = a[start : start + self._cap(length, int(num_tokens[row]))].tolist()
+            found = a[start : start + self._cap(length, want)].tolist()
             buckets = [lookup_bucket(length + i) for i in range(len(found))]
-            tokens[row, : len(found)] = torch.tensor(found, dtype=torch.int64)
-            accept[row, : len(found)] = torch.tensor([self._stats.estimate(slot, b) for b in buckets])
+            tokens[row, : len(found)] = found
+            estimate = self._stats.estimates(slot)  # [buckets]
+            accept[row, : len(found)] = [estimate[b] for b in buckets]
             num_draft[row] = len(found)
             self._stats.remember(slot, len(toks), buckets, found)
-        return Proposal(tokens=tokens, probs=None, num_draft=num_draft, accept_probs=accept)
+        return Proposal(
+            tokens=torch.from_numpy(tokens),
+            probs=None,
+            num_draft=torch.from_numpy(num_draft),
+            accept_probs=torch.from_numpy(accept),
+        )
 
     def _cap(self, length: int, k: int) -> int:
         return k if self.tokens_per_match is None else min(k, self.tokens_per_match * length)
@@ -357,12 +414,12 @@ class PromptLookup:
         # Compare every candidate with the suffix at all offsets at once ([C, L] booleans) and
         # count each one's leading run of equal tokens: one pass of numpy instead of a round per
         # matched token (repetitive text, where many candidates match long, cost milliseconds).
-        back = np.arange(min(self.max_ngram, n - 1))  # [L] offsets from the end
-        pos = ends[:, None] - back[None, :]  # [C, L]
-        same = (pos >= 0) & (a[np.maximum(pos, 0)] == a[n - 1 - back][None, :])
+        span = min(self.max_ngram, n - 1)
+        pos = ends[:, None] - np.arange(span)  # [C, L] positions at offsets 0..L-1 back from each end
+        same = (pos >= 0) & (a[np.maximum(pos, 0)] == a[n - span :][::-1])  # suffix read backwards
         lengths = np.logical_and.accumulate(same, axis=1).sum(axis=1)  # [C]
-        best = int(lengths.max())
-        return int(ends[np.flatnonzero(lengths == best)[-1]]) + 1, best
+        last = lengths.size - 1 - int(lengths[::-1].argmax())  # the most recent of the longest
+        return int(ends[last]) + 1, int(lengths[last])
 
     def lookup(self, seq: Sequence[int] | torch.Tensor, k: int) -> list[int]:
         """Up to k tokens (fewer with ``tokens_per_match``) that followed the match of ``seq``'s
