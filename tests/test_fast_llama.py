@@ -424,7 +424,6 @@ def test_int8_kernel_linear_is_exact_integer_products_of_int16_activations(K: in
     torch.testing.assert_close(got[others], floats[others], rtol=1e-3, atol=1e-3)
 
 
-
 def test_weights_on_huge_pages_where_the_os_allows() -> None:
     """The matrices move into one 2 MB-aligned buffer (Linux with THP) and the model is unchanged."""
     from verispec.models.pages import HUGE_PAGE, huge_page_bytes
@@ -441,3 +440,56 @@ def test_weights_on_huge_pages_where_the_os_allows() -> None:
     assert base % HUGE_PAGE == 0
     assert all(0 <= t.data_ptr() - base < sum(m.nbytes for m in mats) + 64 * len(mats) for t in mats)
     _close(fast.forward(ids), _reference(hf, ids))
+
+
+@pytest.mark.parametrize("use_kernel", PATHS)
+def test_tree_forward_scores_each_alternative_as_at_its_chain_position(use_kernel: bool) -> None:
+    """A tree call (pending, chain, then alternatives fed at their chain position's offset) gives
+    every node the logits it would have in a chain (bitwise on the kernel), and keep_path moves an
+    accepted alternative into place so that decoding goes on as if it had been fed in a chain."""
+    hf = _mistral()
+    gen = torch.Generator().manual_seed(9)
+    prompt = torch.randint(0, VOCAB, (2, 7), generator=gen)
+    chain = torch.randint(0, VOCAB, (2, 4), generator=gen)  # pending token then 3 drafts
+    alt = torch.randint(0, VOCAB, (2, 2), generator=gen)  # alternatives at chain offsets 1 and 2
+    after = torch.randint(0, VOCAB, (2, 3), generator=gen)
+    fast = FastLlama.from_hf(hf, max_batch_size=2, use_kernel=use_kernel)
+    fast.record_hidden = True
+    same = torch.equal if use_kernel else _close
+
+    def chain_logits(ids: torch.Tensor) -> torch.Tensor:  # one token at a time, as plain decoding
+        fast.reset(2)
+        fast.forward(prompt, logits="none")
+        return torch.cat([fast.forward(ids[:, t : t + 1]) for t in range(ids.shape[1])], dim=1)
+
+    fast.reset(2)
+    fast.forward(prompt, logits="none")
+    tree = torch.cat([chain, alt], dim=1)  # [2, 6]
+    offsets = torch.tensor([[0, 1, 2, 3, 1, 2]] * 2)
+    got = fast.forward(tree, offsets=offsets)  # [2, 6, V]
+    same(got[:, :4], chain_logits(chain))
+    same(got[:, 4], chain_logits(torch.cat([chain[:, :1], alt[:, :1]], dim=1))[:, 1])
+    same(got[:, 5], chain_logits(torch.cat([chain[:, :2], alt[:, 1:]], dim=1))[:, 2])
+
+    # Row 0 keeps the alternative at offset 2 (after pending and chain token 1); row 1 its chain.
+    fast.reset(2)
+    fast.forward(prompt, logits="none")
+    fast.forward(tree, offsets=offsets)
+    fast.keep_path(0, 7, [0, 1, 5])
+    fast.truncate(torch.tensor([10, 11]))
+    kept = torch.cat([chain[:1, :2], alt[:1, 1:]], dim=1)
+    rows = [torch.cat([kept, after[:1]], dim=1), torch.cat([chain[1:], after[1:, :2]], dim=1)]
+    want = chain_logits(torch.cat(rows))
+    fast.reset(2)
+    fast.forward(prompt, logits="none")
+    fast.forward(tree, offsets=offsets)
+    fast.keep_path(0, 7, [0, 1, 5])
+    start, hidden = fast.hidden_by_row[0]
+    assert start == 7 and hidden.shape[0] == 3
+    fast.truncate(torch.tensor([10, 11]))
+    got0 = fast.forward(after[:1], rows=[0])
+    got1 = fast.forward(after[1:, :2], rows=[1])
+    same(got0, want[:1, 3:])
+    same(got1, want[1:, 4:])
+    with pytest.raises(ValueError, match="offsets"):
+        fast.forward(tree, offsets=torch.tensor([[0, 2, 2, 3, 1, 2]] * 2))

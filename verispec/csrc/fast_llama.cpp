@@ -546,16 +546,23 @@ class FastLlamaKernel {
     vc_ = std::move(v);
   }
 
-  // ids, slots, pos: [M] int64 (token, its batch row, its position). logit_rows: [R] int64 indices
-  // into the M tokens whose logits are wanted. Returns [R, V] float32.
+  // ids, slots, pos: [M] int64 (token, its batch row, its cache position). logit_rows: [R] int64
+  // indices into the M tokens whose logits are wanted. Returns [R, V] float32.
+  //
+  // ctx (optional, [M] int64): token m sees cache positions 0 .. ctx[m] - 1 and itself, and ctx[m]
+  // is its RoPE position; without it ctx = pos (causal attention over 0 .. pos). This verifies a
+  // tree of draft tokens in one call: an alternative to the draft token at some position is written
+  // after the chain and attends to the chain's tokens before that position only. A token's scores,
+  // softmax and value sum run the same operations in the same order as for the same token placed at
+  // position ctx[m] of a chain, so its logits are bitwise the same.
   at::Tensor forward(const at::Tensor& ids, const at::Tensor& slots, const at::Tensor& pos,
-                     const at::Tensor& logit_rows) {
+                     const at::Tensor& logit_rows, std::optional<at::Tensor> ctx) {
     TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous() && ids.dim() == 1);
     TORCH_CHECK(embed_.w.defined(), "this kernel has no embedding: use forward_hidden");
     const int64_t* id = ids.data_ptr<int64_t>();
     for (int64_t m = 0; m < ids.numel(); ++m)
       TORCH_CHECK(id[m] >= 0 && id[m] < embed_.w.size(0), "token id out of range");
-    return dispatch(ids.numel(), id, nullptr, slots, pos, logit_rows);
+    return dispatch(ids.numel(), id, nullptr, slots, pos, logit_rows, ctx);
   }
 
   // Like forward, with the first layer's inputs given: x [M, hidden] float32 (row m at slots[m],
@@ -564,7 +571,7 @@ class FastLlamaKernel {
                             const at::Tensor& logit_rows) {
     TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2 && x.size(1) == H_,
                 "x must be contiguous float32 [M, hidden]");
-    return dispatch(x.size(0), nullptr, x.data_ptr<float>(), slots, pos, logit_rows);
+    return dispatch(x.size(0), nullptr, x.data_ptr<float>(), slots, pos, logit_rows, std::nullopt);
   }
 
   // When on, each forward keeps the final residual stream (before the final norm) of all its
@@ -603,7 +610,8 @@ class FastLlamaKernel {
  private:
   // Checks shared by forward and forward_hidden; exactly one of `id` and `x_in` is set.
   at::Tensor dispatch(int64_t M, const int64_t* id, const float* x_in, const at::Tensor& slots,
-                      const at::Tensor& pos, const at::Tensor& logit_rows) {
+                      const at::Tensor& pos, const at::Tensor& logit_rows,
+                      const std::optional<at::Tensor>& ctx) {
     for (const auto* t : {&slots, &pos, &logit_rows})
       TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1);
     TORCH_CHECK(!kc_.empty() && cos_.defined() && head_.w.defined(), "kernel not fully set up");
@@ -614,6 +622,14 @@ class FastLlamaKernel {
     for (int64_t m = 0; m < M; ++m) {
       TORCH_CHECK(sl[m] >= 0 && sl[m] < B, "row out of range");
       TORCH_CHECK(ps[m] >= 0 && ps[m] < S && ps[m] < cos_.size(0), "position out of range");
+    }
+    ctx_ = ps;
+    if (ctx) {
+      TORCH_CHECK(ctx->scalar_type() == at::kLong && ctx->is_contiguous() && ctx->numel() == M,
+                  "ctx must be contiguous int64 [M]");
+      ctx_ = ctx->data_ptr<int64_t>();
+      for (int64_t m = 0; m < M; ++m)
+        TORCH_CHECK(ctx_[m] >= 0 && ctx_[m] <= ps[m], "ctx must lie in [0, pos]");
     }
     switch (wtype_) {
       case at::kBFloat16: return run<bf16>(M, id, x_in, sl, ps, logit_rows);
@@ -738,8 +754,8 @@ class FastLlamaKernel {
     float* vc = vc_[l].data_ptr<float>();
     for (int64_t m = 0; m < M; ++m) {
       float* row = qkv_.data() + m * QKV;
-      const float* c = cos + ps[m] * D;
-      const float* s = sin + ps[m] * D;
+      const float* c = cos + ctx_[m] * D;  // the RoPE position (ctx = pos but in trees)
+      const float* s = sin + ctx_[m] * D;
       for (int64_t h = 0; h < Hq_ + Hkv_; ++h) rope(row + h * D, c, s, D);
       for (int64_t g = 0; g < Hkv_; ++g) {
         const int64_t off = ((sl[m] * Hkv_ + g) * S + ps[m]) * D;
@@ -749,8 +765,9 @@ class FastLlamaKernel {
     }
   }
 
-  // Causal attention of each token over its own row's cache positions 0..pos. One work item per
-  // (token, head); keys beyond pos (other drafts, stale rejected tokens) are never read.
+  // Causal attention of each token over its own row's cache positions 0 .. ctx - 1, then itself
+  // (at pos; ctx = pos but in trees). One work item per (token, head); no other key (other drafts,
+  // stale rejected tokens) is ever read.
   void attention(size_t l, int64_t M, const int64_t* sl, const int64_t* ps) {
     const int64_t D = D_, QKV = (Hq_ + 2 * Hkv_) * D_, S = kc_[l].size(2), G = Hq_ / Hkv_;
     const float* kc = kc_[l].data_ptr<float>();
@@ -763,10 +780,13 @@ class FastLlamaKernel {
         const float* q = qkv_.data() + m * QKV + h * D;
         const float* K = kc + (sl[m] * Hkv_ + g) * S * D;
         const float* Vv = vc + (sl[m] * Hkv_ + g) * S * D;
-        const int64_t n = ps[m] + 1;
+        const int64_t c = ctx_[m], n = c + 1;
+        const float* Kself = K + ps[m] * D;  // key c is the token's own (K + c * D in a chain)
+        const float* Vself = Vv + ps[m] * D;
         int64_t j = 0;
-        for (; j + 4 <= n; j += 4) dot4(q, K + j * D, D, p.data() + j);
-        for (; j < n; ++j) p[j] = dot(q, K + j * D, D);
+        for (; j + 4 <= c; j += 4) dot4(q, K + j * D, D, p.data() + j);  // dot4 scores = dot's
+        for (; j < c; ++j) p[j] = dot(q, K + j * D, D);
+        p[c] = dot(q, Kself, D);
         const float sum = softmax_numerators(p.data(), n, scale);
         const float inv = 1.0f / sum;
         for (j = 0; j < n; ++j) p[j] *= inv;
@@ -776,13 +796,14 @@ class FastLlamaKernel {
         int64_t d = 0;
         for (; d + 8 <= D; d += 8) {
           __m256 a = _mm256_setzero_ps();
-          for (j = 0; j < n; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(Vv + j * D + d), a);
+          for (j = 0; j < c; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(Vv + j * D + d), a);
+          a = _mm256_fmadd_ps(_mm256_set1_ps(p[c]), _mm256_loadu_ps(Vself + d), a);
           _mm256_storeu_ps(out + d, a);
         }
         for (; d < D; ++d) {
           float a = 0.0f;
-          for (j = 0; j < n; ++j) a = std::fma(p[j], Vv[j * D + d], a);
-          out[d] = a;
+          for (j = 0; j < c; ++j) a = std::fma(p[j], Vv[j * D + d], a);
+          out[d] = std::fma(p[c], Vself[d], a);
         }
       }
     });
@@ -790,6 +811,7 @@ class FastLlamaKernel {
 
   int64_t H_, Hq_, Hkv_, D_, I_;
   float eps_;
+  const int64_t* ctx_ = nullptr;  // per token of the running call: keys before it, RoPE position
   bool keep_hidden_ = false;
   at::Tensor hidden_;
   std::vector<Layer> layers_;
@@ -807,7 +829,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_head", &FastLlamaKernel::set_head)
       .def("set_rope", &FastLlamaKernel::set_rope)
       .def("set_cache", &FastLlamaKernel::set_cache)
-      .def("forward", &FastLlamaKernel::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("forward", &FastLlamaKernel::forward, pybind11::arg("ids"), pybind11::arg("slots"),
+           pybind11::arg("pos"), pybind11::arg("logit_rows"), pybind11::arg("ctx") = std::nullopt,
+           pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("forward_hidden", &FastLlamaKernel::forward_hidden,
            pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("set_keep_hidden", &FastLlamaKernel::set_keep_hidden)

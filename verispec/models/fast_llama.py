@@ -415,10 +415,24 @@ class FastLlama:
             raise ValueError("truncate can only shorten rows")
         self._lengths[idx] = new
 
+    supports_tree = True
+    """``forward`` takes ``offsets``: it can verify a tree of drafts in one call."""
+
     def forward(
-        self, input_ids: torch.Tensor, rows: list[int] | None = None, logits: LogitsMode = "all"
+        self,
+        input_ids: torch.Tensor,
+        rows: list[int] | None = None,
+        logits: LogitsMode = "all",
+        offsets: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Append ``input_ids`` ``[n, T]`` to ``rows`` and return logits (see ``KVModel.forward``).
+
+        ``offsets`` (``[n, T]`` int64, each ``offsets[i, t]`` in ``[0, t]``) verifies a tree of
+        drafts: token t of row i is still written to cache position ``starts[i] + t``, but it sees
+        only the positions before ``starts[i] + offsets[i, t]`` and itself, at RoPE position
+        ``starts[i] + offsets[i, t]``; its logits are those it would have at that position of a
+        chain. None is the causal chain (``offsets[i, t] = t``). After a tree call,
+        :meth:`keep_path` moves the accepted tokens into place.
 
         Returns ``[n, T, V]`` for "all", ``[n, V]`` for "last", None for "none"; float32.
         """
@@ -434,7 +448,18 @@ class FastLlama:
             return None if logits == "none" else self._empty_logits(n, logits)
         if int(starts.max()) + T > self.max_length:
             raise ValueError(f"a row would exceed max_length={self.max_length}")
-        if self._kernel is not None and T <= self.kernel_max_tokens:
+        if offsets is not None:
+            offsets = torch.as_tensor(offsets, dtype=torch.int64)
+            if offsets.shape != ids.shape:
+                raise ValueError(f"offsets must be {tuple(ids.shape)}, got {tuple(offsets.shape)}")
+            if bool(((offsets < 0) | (offsets > torch.arange(T))).any()):
+                raise ValueError("offsets[i, t] must lie in [0, t]")
+            if self._kernel is not None and T <= self.kernel_max_tokens:
+                out = self._forward_kernel(ids, idx, starts, logits, offsets)
+            else:
+                tree = functools.partial(self._forward_torch, offsets=offsets)
+                out = self._threads.follow(lambda: tree(ids, idx, starts, logits))
+        elif self._kernel is not None and T <= self.kernel_max_tokens:
             out = self._forward_kernel(ids, idx, starts, logits)
         elif self._kernel is not None and T <= self.kernel_prefill_max.get(self.dtype, 0):
             out = self._in_pieces(self._forward_kernel, self.kernel_max_tokens, ids, idx, starts, logits)
@@ -451,6 +476,22 @@ class FastLlama:
         return out
 
     __call__ = forward
+
+    def keep_path(self, row: int, start: int, picks: list[int]) -> None:
+        """After a tree forward on ``row`` that began at cache position ``start``: the tokens it fed
+        at offsets ``picks`` (increasing, each >= its index) become positions ``start``,
+        ``start + 1``, ...: their keys and values move there, and so do their recorded hidden
+        states. The row's length is left alone (``truncate`` follows)."""
+        moves = [(start + i, start + p) for i, p in enumerate(picks) if p != i]
+        if moves:
+            dst = torch.tensor([d for d, _ in moves], device=self.device)
+            src = torch.tensor([s for _, s in moves], device=self.device)
+            for cache in (*self.k_cache, *self.v_cache):
+                cache[row, :, dst] = cache[row, :, src]  # [H_kv, m, D]; the source is read first
+        if self._record_hidden and row in self.hidden_by_row:
+            first, hidden = self.hidden_by_row[row]
+            take = torch.tensor([start - first + p for p in picks])
+            self.hidden_by_row[row] = (start, hidden[take])
 
     # ---------------------------------------------------------------------------------- internals
 
@@ -474,15 +515,22 @@ class FastLlama:
         return torch.zeros(shape)
 
     def _forward_kernel(
-        self, ids: torch.Tensor, idx: torch.Tensor, starts: torch.Tensor, logits: LogitsMode
+        self,
+        ids: torch.Tensor,
+        idx: torch.Tensor,
+        starts: torch.Tensor,
+        logits: LogitsMode,
+        offsets: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """One C++ call; token ``(i, t)`` is row ``idx[i]`` at position ``starts[i] + t``."""
+        """One C++ call; token ``(i, t)`` is row ``idx[i]`` at position ``starts[i] + t`` (attending
+        as at ``starts[i] + offsets[i, t]`` when ``offsets`` ``[n, T]`` is given, see ``forward``)."""
         n, T = ids.shape
         pos = (starts[:, None] + torch.arange(T)).reshape(-1)  # [n*T]
         slots = idx.repeat_interleave(T)  # [n*T]
         wanted = logit_rows(n, T, logits)
         flat = ids.reshape(-1).contiguous()
-        out = self._threads.run(lambda: self._kernel.forward(flat, slots, pos, wanted), tokens=n * T)
+        ctx = None if offsets is None else (starts[:, None] + offsets).reshape(-1).contiguous()  # [n*T]
+        out = self._threads.run(lambda: self._kernel.forward(flat, slots, pos, wanted, ctx), tokens=n * T)
         if self._record_hidden:
             self.last_hidden = self._kernel.last_hidden().view(n, T, -1)
         if logits == "none":
@@ -523,26 +571,33 @@ class FastLlama:
         starts: torch.Tensor,
         logits: LogitsMode,
         compute: torch.dtype | None = None,
+        offsets: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Matmul + SDPA forward of ``ids`` ``[n, T]`` at positions ``starts[i] + t``.
 
         ``compute``: the dtype of the matrix products (see ``_linear``); None keeps float32. Norms,
         rotary embeddings, attention, the residual stream and the KV cache stay float32 either way.
+        ``offsets`` ``[n, T]``: a tree of drafts (see ``forward``).
         With ``record_hidden``, keeps the final residual stream ``[n, T, hidden]`` in ``last_hidden``.
         """
         w = self._w
         n, T = ids.shape
         Hq, Hkv, D = self._n_heads, self._n_kv, self._head_dim
         dev = self.device
-        pos = (starts[:, None] + torch.arange(T)).to(dev)  # [n, T]
+        pos = (starts[:, None] + torch.arange(T)).to(dev)  # [n, T] cache positions
+        rope = pos if offsets is None else (starts[:, None] + offsets).to(dev)  # [n, T]
         span = int(starts.max()) + T  # keys any query may see
         idx_d = idx.to(dev)
         # mask[i, 0, t, j]: query t of row i may attend to key position j. When every row starts
         # empty, that is the plain causal mask, which SDPA applies by skipping the masked half.
-        causal = span == T
-        mask = None if causal else (torch.arange(span, device=dev)[None, None, :] <= pos[:, :, None])[:, None]
-        cos = w["cos"][pos][:, :, None, :]  # [n, T, 1, D]
-        sin = w["sin"][pos][:, :, None, :]
+        keys_at = torch.arange(span, device=dev)[None, None, :]
+        causal = span == T and offsets is None
+        if offsets is not None:  # the positions before its own place in the chain, and itself
+            mask = ((keys_at < rope[:, :, None]) | (keys_at == pos[:, :, None]))[:, None]
+        else:
+            mask = None if causal else (keys_at <= pos[:, :, None])[:, None]
+        cos = w["cos"][rope][:, :, None, :]  # [n, T, 1, D]
+        sin = w["sin"][rope][:, :, None, :]
         contiguous = bool((idx == torch.arange(int(idx[0]), int(idx[0]) + n)).all())
         x = w["embed"][ids.to(dev)].float()  # [n, T, hidden]
         if w["embed_scale"] is not None:
