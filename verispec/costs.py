@@ -142,3 +142,55 @@ def best_draft_length(
         if rate > best_rate:
             best, best_rate = length, rate
     return best
+
+
+def best_tree(
+    accept_probs: Sequence[float],
+    alternatives: Sequence[Sequence[float]],
+    costs: Sequence[float],
+    extra_cost_weight: float = EXTRA_COST_WEIGHT,
+) -> tuple[int, list[tuple[int, int]]]:
+    """:func:`best_draft_length` for a chain of drafts with alternatives beside it (greedy only).
+
+    ``accept_probs[i]``: the chance chain token i is accepted given that tokens 0..i-1 were;
+    ``alternatives[i][s]``: the chance that alternative s to chain token i is the target's token
+    there, given that tokens 0..i-1 were accepted. An alternative is a leaf: verified beside chain
+    token i, it adds one token (itself; the target's next token follows from its logits) when the
+    chain misses at i and it hits. Every node's expected tokens are the chance that verification
+    reaches and accepts it: ``prod_{j<i} a_j * a_i`` for chain token i, ``prod_{j<i} a_j * q`` for an
+    alternative. Nodes are taken in order of that value (a chain token comes before the later
+    chain tokens, and an alternative only after its chain token) and the prefix
+    with the most expected tokens per unit of cost wins; ``costs[N]`` is the cost of verifying N
+    nodes (a step of N + 1 tokens).
+
+    Returns ``(chain length L, [(i, s), ...])``: the chosen alternatives, each beside chain token
+    ``i < L``.
+    """
+    nodes: list[tuple[float, int, int, int]] = []  # (value, position, 0 chain / 1 alternative, s)
+    reach = 1.0
+    for i, p in enumerate(accept_probs):
+        nodes.append((reach * p, i, 0, 0))
+        if i < len(alternatives):
+            nodes.extend((reach * q, i, 1, s) for s, q in enumerate(alternatives[i]))
+        reach *= p
+    nodes.sort(key=lambda n: (-n[0], n[1], n[2], n[3]))
+    # An alternative is verified beside its chain token: one ranked above that token (a drafter
+    # that rates it above its own choice) is dropped.
+    taken, ordered = 0, []
+    for node in nodes:
+        if node[2] == 0:
+            taken += 1
+        elif node[1] >= taken or node[0] <= 0.0:
+            continue
+        ordered.append(node)
+    nodes = ordered
+    best, best_rate = 0, 1.0 / costs[0]
+    tokens = 1.0
+    for count, node in enumerate(nodes[: len(costs) - 1], start=1):
+        tokens += node[0]
+        rate = tokens / (1.0 + extra_cost_weight * (costs[count] - 1.0))
+        if rate > best_rate:
+            best, best_rate = count, rate
+    chosen = nodes[:best]
+    length = sum(1 for n in chosen if n[2] == 0)
+    return length, sorted((n[1], n[3]) for n in chosen if n[2] == 1)

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 import torch
 
 from verispec.config import ConfigError, GenerationConfig
-from verispec.costs import StepCosts, best_draft_length, costs_for, prior_ratios
+from verispec.costs import StepCosts, best_draft_length, best_tree, costs_for, prior_ratios
 from verispec.models.base import KVModel
 from verispec.proposers import Proposal, Proposer
-from verispec.rejection import greedy_verify, rejection_sample
+from verispec.rejection import greedy_verify, greedy_verify_tree, rejection_sample
 from verispec.sampling import SamplingTensors, logits_to_probs
 from verispec.stats import GenerationStats
 
@@ -154,11 +154,15 @@ class Engine:
             dtype=torch.int64,
         )
         proposal, num_draft = None, torch.zeros(len(seqs), dtype=torch.int64)
+        tree: list[list[tuple[int, int]]] | None = None
         if self.proposer is not None and int(ks.max()) > 0:
-            proposal, num_draft = self._propose(seqs, ks, params)
+            proposal, num_draft, tree = self._propose(seqs, ks, params)
         width = int(num_draft.max())
         start = time.perf_counter()
         pending = torch.tensor([[s.tokens[-1]] for s in seqs])  # [B, 1]
+        if tree is not None and any(tree):
+            assert proposal is not None
+            return self._tree_step(seqs, slots, pending, proposal, num_draft, tree, start)
         if width:
             draft_tokens = proposal.tokens[:, :width]  # [B, width]
             draft_probs = None if proposal.probs is None else proposal.probs[:, :width]  # [B, width, V]
@@ -174,29 +178,98 @@ class Engine:
                 draft_probs = draft_probs.to(target_probs.dtype)
             verdict = rejection_sample(draft_tokens, draft_probs, target_probs, num_draft, gens)
 
+        accepted = verdict.num_accepted.tolist()
+        emitted = [verdict.tokens[row, : a + 1].tolist() for row, a in enumerate(accepted)]
+        no_alternatives = [0] * len(seqs)
+        return self._finish(
+            seqs, slots, emitted, accepted, num_draft.tolist(), no_alternatives, width + 1, start
+        )
+
+    def _finish(
+        self,
+        seqs: list[SequenceState],
+        slots: list[int],
+        emitted: list[list[int]],
+        accepted: list[int],
+        drafted: list[int],
+        alternatives: list[int],
+        width: int,
+        start: float,
+    ) -> list[StepEvent]:
+        """Commit each row's ``emitted`` tokens (its ``accepted`` draft tokens, then the target's),
+        roll the target's cache back to them and time the step (``width`` tokens per row)."""
         events = []
         keep_lengths = []
         for row, seq in enumerate(seqs):
-            accepted = int(verdict.num_accepted[row])
-            emitted = verdict.tokens[row, : accepted + 1].tolist()
-            flags = [True] * accepted + [False]
-            seq.stats.record_step(int(num_draft[row]), accepted)
-            emitted, flags = self._commit(seq, emitted, flags)
+            tokens = emitted[row]
+            flags = [True] * accepted[row] + [False] * (len(tokens) - accepted[row])
+            seq.stats.record_step(drafted[row], accepted[row], alternatives=alternatives[row])
+            tokens, flags = self._commit(seq, tokens, flags)
             keep_lengths.append(len(seq.tokens) - 1)
             if self.adaptive is not None and seq.config.adaptive:
-                seq.k = self.adaptive(seq, int(num_draft[row]), accepted)
-            events.append(StepEvent(seq=seq, token_ids=emitted, from_draft=flags))
+                seq.k = self.adaptive(seq, drafted[row], min(accepted[row], drafted[row]))
+            events.append(StepEvent(seq=seq, token_ids=tokens, from_draft=flags))
         self.target.truncate(torch.tensor(keep_lengths), rows=slots)
-        self.costs.record(len(seqs), width + 1, time.perf_counter() - start)
+        self.costs.record(len(seqs), width, time.perf_counter() - start)
         return events
+
+    def _tree_step(
+        self,
+        seqs: list[SequenceState],
+        slots: list[int],
+        pending: torch.Tensor,
+        proposal: Proposal,
+        num_draft: torch.Tensor,
+        tree: list[list[tuple[int, int]]],
+        start: float,
+    ) -> list[StepEvent]:
+        """Verify each row's chain of ``num_draft`` drafts and, beside chain position i, its chosen
+        alternatives ``tree[row]`` (``(i, s)``: ``proposal.alternatives[row, i, s]``), all greedy, in
+        one target call (:func:`~verispec.rejection.greedy_verify_tree`).
+
+        Row layout ``[B, 1 + W + A]``: the pending token, the chain padded to the widest (W), then
+        the alternatives padded to the most (A). Each alternative is fed at its chain position's
+        offset (``FastLlama.forward``'s ``offsets``), so it sees the pending token and chain tokens
+        0..i-1 only; an accepted one is then moved into place (``keep_path``).
+        """
+        assert proposal.alternatives is not None
+        batch = len(seqs)
+        width = int(num_draft.max())
+        most = max(len(t) for t in tree)
+        chain = proposal.tokens[:, :width]  # [B, W]
+        alt_tokens = torch.zeros(batch, most, dtype=torch.int64)  # [B, A]
+        alt_positions = torch.full((batch, most), -1, dtype=torch.int64)  # [B, A]
+        for row, picks in enumerate(tree):
+            for j, (i, s) in enumerate(picks):
+                alt_tokens[row, j] = proposal.alternatives[row, i, s]
+                alt_positions[row, j] = i
+        inputs = torch.cat([pending, chain, alt_tokens], dim=1)  # [B, 1 + W + A]
+        # Padding alternatives sit at offset 0 (after the committed tokens only) and are never read.
+        offsets = torch.cat([torch.arange(width + 1).expand(batch, -1), alt_positions + 1], dim=1)
+        logits = self.target.forward(inputs, rows=slots, logits="all", offsets=offsets)
+        verdict = greedy_verify_tree(chain, num_draft, alt_tokens, alt_positions, logits)
+        accepted = verdict.num_accepted.tolist()
+        emitted = [verdict.tokens[row, : a + 1].tolist() for row, a in enumerate(accepted)]
+        for row, alt in enumerate(verdict.alternative.tolist()):
+            if alt >= 0:  # its cache entry moves to its place after the accepted chain tokens
+                kept = accepted[row]  # the chain tokens before it, and the pending token
+                start_at = len(seqs[row].tokens) - 1
+                self.target.keep_path(slots[row], start_at, [*range(kept), 1 + width + alt])
+        alternatives = [len(t) for t in tree]
+        return self._finish(
+            seqs, slots, emitted, accepted, num_draft.tolist(), alternatives, 1 + width + most, start
+        )
 
     def _propose(
         self, seqs: list[SequenceState], ks: torch.Tensor, params: SamplingTensors
-    ) -> tuple[Proposal, torch.Tensor]:
+    ) -> tuple[Proposal, torch.Tensor, list[list[tuple[int, int]]] | None]:
         """Draft for the rows with ``ks > 0`` only, scattered back to the whole batch.
 
-        Returns a :class:`Proposal` over all B rows and ``num_draft`` ``[B]``. A row whose k was 0
-        when it joined (speculation off, or capped by a batch policy) starts its drafter here.
+        Returns a :class:`Proposal` over all B rows, ``num_draft`` ``[B]`` and, when the drafter
+        gave alternatives and the step can verify a tree (all rows greedy, a target that takes
+        ``offsets``), the alternatives chosen per row (``(i, s)`` pairs, see
+        :func:`~verispec.costs.best_tree`), else None. A row whose k was 0 when it joined
+        (speculation off, or capped by a batch policy) starts its drafter here.
         """
         assert self.proposer is not None
         rows = [i for i in range(len(seqs)) if int(ks[i]) > 0]
@@ -214,10 +287,23 @@ class Engine:
         sub_num = torch.minimum(sub.num_draft, ks[rows])
         for i in rows:
             seqs[i].cut_by_cost = sub.accept_probs is not None
-        if sub.accept_probs is not None:
+        sub_tree = None
+        if (
+            sub.alternatives is not None
+            and sub.accept_probs is not None
+            and params.all_greedy
+            and getattr(self.target, "supports_tree", False)
+        ):
+            sub_num, sub_tree = self._worth_verifying_tree([seqs[i] for i in rows], sub, sub_num, len(seqs))
+        elif sub.accept_probs is not None:
             sub_num = self._worth_verifying([seqs[i] for i in rows], sub.accept_probs, sub_num, len(seqs))
+        tree = None
+        if sub_tree is not None:
+            tree = [[] for _ in seqs]
+            for i, picks in zip(rows, sub_tree):
+                tree[i] = picks
         if len(rows) == len(seqs):
-            return sub, sub_num
+            return sub, sub_num, tree
         index = torch.tensor(rows)
         tokens = torch.zeros(len(seqs), sub.tokens.shape[1], dtype=torch.int64)
         tokens[index] = sub.tokens
@@ -227,7 +313,50 @@ class Engine:
             probs[index] = sub.probs
         num_draft = torch.zeros(len(seqs), dtype=torch.int64)
         num_draft[index] = sub_num
-        return Proposal(tokens=tokens, probs=probs, num_draft=num_draft), num_draft
+        alternatives = None
+        if sub.alternatives is not None:
+            alternatives = torch.full((len(seqs), *sub.alternatives.shape[1:]), -1, dtype=torch.int64)
+            alternatives[index] = sub.alternatives
+        merged = Proposal(tokens=tokens, probs=probs, num_draft=num_draft, alternatives=alternatives)
+        return merged, num_draft, tree
+
+    def _worth_verifying_tree(
+        self, seqs: list[SequenceState], proposal: Proposal, num_draft: torch.Tensor, batch: int
+    ) -> tuple[torch.Tensor, list[list[tuple[int, int]]]]:
+        """Per row, the chain length and the alternatives beside it worth verifying at this target's
+        measured cost (:func:`~verispec.costs.best_tree`); ``num_draft`` ``[n]`` caps the chain, and
+        the tree never reaches past the context."""
+        assert proposal.accept_probs is not None and proposal.alternatives is not None
+        probs = proposal.alternative_probs
+        accept = proposal.accept_probs.tolist()
+        alts = proposal.alternatives.tolist()
+        alt_probs = probs.tolist() if probs is not None else None
+        per_row = []
+        for row in range(len(seqs)):
+            n = int(num_draft[row])
+            options = [
+                [
+                    (alt_probs[row][i][s] if alt_probs is not None else 0.0) if t >= 0 else 0.0
+                    for s, t in enumerate(alts[row][i])
+                ]
+                for i in range(n)
+            ]
+            per_row.append((n, options))
+        nodes = max((n + sum(len(o) for o in opts) for n, opts in per_row), default=0)
+        room = min(self.target.max_length - len(s.tokens) for s in seqs)  # cache positions left
+        nodes = max(0, min(nodes, room, getattr(self.target, "kernel_max_tokens", 16) - 1))
+        curve = self.costs.ratios(nodes + 1, batch)
+        out = num_draft.clone()
+        tree = []
+        for row, (n, options) in enumerate(per_row):
+            length, picks = best_tree(accept[row][:n], options, curve)
+            out[row] = length
+            tree.append([(i, s) for i, s in picks if options[i][s] > 0.0])
+        # Rows share one call of 1 + widest chain + most alternatives tokens: where that would pass
+        # the limit (the context, the kernel's bitwise-exact widths), the chains go alone.
+        if max(out.tolist(), default=0) + max(map(len, tree), default=0) > nodes:
+            tree = [[] for _ in tree]
+        return out, tree
 
     def _worth_verifying(
         self, seqs: list[SequenceState], accept_probs: torch.Tensor, num_draft: torch.Tensor, batch: int

@@ -38,6 +38,13 @@ class Proposal:
     """[B, k] float: the drafter's estimate that token i is accepted given that tokens 0..i-1 were;
     None = no estimate. With one, the engine cuts each row's draft to the length worth verifying at
     the measured cost (:func:`verispec.costs.best_draft_length`)."""
+    alternatives: torch.Tensor | None = None
+    """[B, k, S] int64: greedy only, up to S other candidates for draft position i (-1: none), each
+    a leaf the target may verify beside token i (a tree of drafts, :func:`verispec.costs.best_tree`);
+    None = a plain chain."""
+    alternative_probs: torch.Tensor | None = None
+    """[B, k, S] float: the drafter's estimate that each alternative is the target's token at
+    position i, given that tokens 0..i-1 were accepted."""
 
 
 @runtime_checkable

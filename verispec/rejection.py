@@ -138,3 +138,52 @@ def greedy_verify(
     tokens[:, :k] = torch.where(keep, draft_tokens, tokens[:, :k])
     tokens.scatter_(1, num_accepted[:, None], best.gather(1, num_accepted[:, None]))
     return Verdict(tokens=tokens, num_accepted=num_accepted)
+
+
+@dataclass(frozen=True)
+class TreeVerdict(Verdict):
+    """A :class:`Verdict` of :func:`greedy_verify_tree`; ``tokens`` is ``[B, k + 2]``."""
+
+    alternative: torch.Tensor  # [B] int64: the accepted alternative's index, -1 where none
+
+
+def greedy_verify_tree(
+    draft_tokens: torch.Tensor,
+    num_draft: torch.Tensor,
+    alternative_tokens: torch.Tensor,
+    alternative_positions: torch.Tensor,
+    target_logits: torch.Tensor,
+) -> TreeVerdict:
+    """:func:`greedy_verify` for a chain of drafts with alternatives verified beside it (a tree).
+
+    An alternative at position i is another candidate for draft token i, scored by the target after
+    the pending token and draft tokens 0..i-1 (a leaf of the tree). Where the chain first misses,
+    at position ``num_accepted`` (or where it ends), the target's token there is emitted as always;
+    when an alternative at that position is that token, it is accepted too, and the token after it
+    is the target's argmax at the alternative. Every emitted token is the target's greedy token.
+
+    Args:
+        draft_tokens: ``[B, k]`` int64, the chain.
+        num_draft: ``[B]`` int64 real chain tokens per row.
+        alternative_tokens: ``[B, A]`` int64.
+        alternative_positions: ``[B, A]`` int64 chain position of each alternative, -1 for padding.
+        target_logits: ``[B, 1 + k + A, V]``: after the pending token, each chain token, each
+            alternative.
+    """
+    batch, k = draft_tokens.shape
+    best = target_logits.argmax(dim=-1).to(draft_tokens.device)  # [B, 1 + k + A]
+    chain = greedy_verify(draft_tokens, target_logits[:, : k + 1], num_draft)
+    accepted = chain.num_accepted  # [B]
+    target_token = best.gather(1, accepted[:, None])  # [B, 1]: the target's token at the miss
+    hits = (alternative_positions == accepted[:, None]) & (alternative_tokens == target_token)  # [B, A]
+    hit = hits.any(dim=1)  # [B]
+    first = hits.to(torch.int64).argmax(dim=1)  # [B] the first hit (0 where none)
+    after = best[:, 1 + k :].gather(1, first[:, None])[:, 0]  # [B] target's token after it
+    tokens = torch.full((batch, k + 2), -1, dtype=torch.int64, device=draft_tokens.device)
+    tokens[:, : k + 1] = chain.tokens
+    tokens.scatter_(1, (accepted + 1)[:, None], torch.where(hit, after, -1)[:, None])
+    return TreeVerdict(
+        tokens=tokens,
+        num_accepted=accepted + hit.to(torch.int64),
+        alternative=torch.where(hit, first, -1),
+    )

@@ -50,10 +50,12 @@ class GenerationStats:
         """Tokens emitted per target call (1.0 for plain decoding)."""
         return self.new_tokens / self.target_calls if self.target_calls else 0.0
 
-    def record_step(self, num_draft: int, num_accepted: int) -> None:
-        """Count one verification step."""
+    def record_step(self, num_draft: int, num_accepted: int, alternatives: int = 0) -> None:
+        """Count one verification step: a chain of ``num_draft`` draft tokens and ``alternatives``
+        other candidates verified beside it (a tree), of which ``num_accepted`` were accepted (the
+        chain's first ones, then at most one alternative, counted at its chain position)."""
         self.target_calls += 1
-        self.draft_tokens += num_draft
+        self.draft_tokens += num_draft + alternatives
         self.accepted_tokens += num_accepted
         while len(self.drafted_per_position) < num_draft:
             self.drafted_per_position.append(0)
