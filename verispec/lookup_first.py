@@ -122,7 +122,10 @@ class LookupFirst:
         tokens = look.tokens.clone()  # [B, k]; the draft's rows are at most n_draft <= k wide
         num = look.num_draft.clone()
         accept = look.accept_probs.clone()
-        probs = None
+        probs = alts = alt_probs = None
+        if sub.alternatives is not None:  # a greedy tree: lookup's rows have no alternatives
+            alts = torch.full((batch, k, sub.alternatives.shape[-1]), -1, dtype=torch.int64)
+            alt_probs = torch.zeros(batch, k, sub.alternatives.shape[-1])
         if sub.probs is not None:  # sampling: lookup's rows are point masses on their tokens
             probs = torch.zeros(batch, k, sub.probs.shape[-1], dtype=sub.probs.dtype)
             probs.scatter_(2, tokens[:, :, None], 1.0)
@@ -140,5 +143,16 @@ class LookupFirst:
             if probs is not None:
                 probs[r] = 0.0
                 probs[r, :m] = sub.probs[i, :m]
+            if alts is not None and alt_probs is not None:
+                alts[r, :m] = sub.alternatives[i, :m]
+                if sub.alternative_probs is not None:
+                    alt_probs[r, :m] = sub.alternative_probs[i, :m]
             self._stats.remember(slots[r], len(committed[r]), range(m), drafted.tolist())
-        return Proposal(tokens=tokens, probs=probs, num_draft=num, accept_probs=accept)
+        return Proposal(
+            tokens=tokens,
+            probs=probs,
+            num_draft=num,
+            accept_probs=accept,
+            alternatives=alts,
+            alternative_probs=alt_probs,
+        )

@@ -52,6 +52,10 @@ STOP_REACH = 0.05
 this: the next token would add less than 0.05 expected tokens, about what a draft token costs on the
 kernel (0.04-0.07 target steps, benchmarks/DRAFTS.md)."""
 
+ALTERNATIVES = 3
+"""Greedy drafts carry the head's next 3 candidates at each position besides its own choice; the
+engine verifies those worth their cost beside the chain (a tree, :func:`verispec.costs.best_tree`)."""
+
 
 class EagleProposer:
     """Drafts with an EAGLE head (a :class:`DraftKV` whose model has ``cfg.features``) over ``target``'s
@@ -77,6 +81,8 @@ class EagleProposer:
         self.target = target
         self.draft = draft
         self.stop_reach = STOP_REACH
+        self.alternatives = ALTERNATIVES
+        """Greedy: candidates besides its own offered at each draft position (0: a plain chain)."""
         target.record_hidden = True
         self._agreed: dict[int, int] = {}
         """Pairs held in the draft's cache per slot (positions ``0 .. agreed - 1``)."""
@@ -113,21 +119,25 @@ class EagleProposer:
         params: SamplingTensors,
         generators: Sequence[torch.Generator | None],
     ) -> Proposal:
-        """Catch up on the newly committed pairs, then draft ``max(num_tokens)`` tokens per row
-        (on one thread: see :func:`~verispec.models.threads.torch_threads`)."""
+        """Catch up on the newly committed pairs, then draft ``max(num_tokens)`` tokens per row.
+
+        A draft on the kernel picks its thread count from measured call times (``DraftKV``); in
+        torch it runs on one thread (see :func:`~verispec.models.threads.torch_threads`) but for a
+        prompt's worth of pairs, a prefill, where all threads pay.
+        """
         batch = len(slots)
         k = int(num_tokens.max()) if batch else 0
         if k == 0:
             return _empty(batch)
         pending = sum(len(toks) - 1 - self._agreed.get(slot, 0) for slot, toks in zip(slots, committed))
-        # A prompt's worth of pairs is a prefill: all threads pay there. A step's few pairs are not.
-        with torch_threads(1) if pending <= 32 else nullcontext():
+        small = nullcontext() if self.draft.uses_kernel else torch_threads(1)
+        with small if pending <= 32 else nullcontext():
             for slot, toks in zip(slots, committed):
                 if slot not in self._agreed:  # the proposer was resized under this row: start it again
                     self._ensure(slot + 1)
                     self._agreed[slot] = 0
                 self._feed(slot, toks, len(toks) - 1)
-        with torch_threads(1):
+        with nullcontext() if self.draft.uses_kernel else torch_threads(1):
             return self._draft_tokens(slots, num_tokens, params, generators, k)
 
     def observe(self, slots: list[int], committed: list[list[int]]) -> None:
@@ -155,17 +165,33 @@ class EagleProposer:
         )  # [B, hidden]
         tokens = torch.zeros(batch, k, dtype=torch.int64)
         accept = torch.ones(batch, k)
+        # Greedy: the head's next candidates at each position, leaves of a tree the engine may verify.
+        spare = self.alternatives if params.all_greedy else 0
+        alts = torch.full((batch, k, spare), -1, dtype=torch.int64)
+        alt_probs = torch.zeros(batch, k, spare)
         reach = torch.ones(batch)  # the chance, by the head's own estimate, that drafting got this far
         probs_out: list[torch.Tensor] = []
         steps = 0
+        vocab_ids = self.draft.model.vocab_ids
         for i in range(int(num_draft.max())):
-            logits = self.draft.logits(feats)  # [B, V]
-            tok, probs = draw(logits, params, generators)
-            if probs is not None:
+            if params.all_greedy:
+                # Over the head's own tokens only (the rest have probability 0): its top candidates,
+                # the first drafted, the others offered as alternatives.
+                dist = torch.softmax(self.draft.head_scores(feats), dim=-1)  # [B, draft_vocab]
+                top_p, top_i = dist.topk(spare + 1, dim=-1)  # [B, spare + 1]
+                top_t = top_i if vocab_ids is None else vocab_ids[top_i]
+                tok = top_t[:, 0]
+                accept[:, i] = top_p[:, 0]
+                if spare:
+                    alts[:, i] = top_t[:, 1:]
+                    alt_probs[:, i] = top_p[:, 1:]
+            else:
+                logits = self.draft.logits(feats)  # [B, V]
+                tok, probs = draw(logits, params, generators)
+                assert probs is not None
                 probs_out.append(probs)
+                accept[:, i] = probs.gather(1, tok[:, None])[:, 0].cpu()
             tokens[:, i] = tok.cpu()
-            dist = probs if probs is not None else torch.softmax(logits.float(), dim=-1)
-            accept[:, i] = dist.gather(1, tok[:, None])[:, 0].cpu()
             reach = reach * accept[:, i]
             # A row stops where its next token would be reached too rarely to pay for drafting it.
             num_draft = torch.where(reach < self.stop_reach, num_draft.clamp(max=i + 1), num_draft)
@@ -178,7 +204,14 @@ class EagleProposer:
         tokens = tokens[:, :steps]
         num_draft = num_draft.clamp(max=steps)
         probs = torch.stack(probs_out, dim=1) if probs_out else None  # [B, steps, V]
-        return Proposal(tokens=tokens, probs=probs, num_draft=num_draft, accept_probs=accept[:, :steps])
+        return Proposal(
+            tokens=tokens,
+            probs=probs,
+            num_draft=num_draft,
+            accept_probs=accept[:, :steps],
+            alternatives=alts[:, :steps] if spare else None,
+            alternative_probs=alt_probs[:, :steps] if spare else None,
+        )
 
     def _feed(self, slot: int, tokens: list[int], upto: int) -> None:
         """Roll the slot back to its agreed pairs and feed pairs ``agreed .. upto - 1``

@@ -34,6 +34,7 @@ from torch import nn
 
 from verispec.config import ConfigError
 from verispec.models.base import LogitsMode, logit_rows
+from verispec.models.threads import ThreadTuner
 
 
 @dataclass(frozen=True)
@@ -257,6 +258,10 @@ class DraftKV:
         self._kernel, self._kernel_weights = None, []
         if use_kernel is not False:
             self._kernel, self._kernel_weights = _draft_kernel(model, self.max_length)
+        self._threads = ThreadTuner()
+        """Thread count of the kernel's layer calls, from measured times (as the target's)."""
+        self._head_threads = ThreadTuner()
+        """The same for the head's scores (another cost scale)."""
         self.reset(max_batch_size)
 
     @property
@@ -357,7 +362,8 @@ class DraftKV:
         n, t = ids.shape
         x = self.model.inputs(ids, features).float().reshape(n * t, -1).contiguous()  # [n*T, hidden]
         wanted = logit_rows(n, t, logits)
-        scores = self._kernel.forward_hidden(x, idx.repeat_interleave(t), pos.reshape(-1), wanted)
+        slots, flat = idx.repeat_interleave(t), pos.reshape(-1)
+        scores = self._threads.run(lambda: self._kernel.forward_hidden(x, slots, flat, wanted), tokens=n * t)
         self._lengths[idx] = starts + t
         self.last_features = self._kernel.last_hidden().view(n, t, -1)
         if logits == "none":
@@ -369,15 +375,20 @@ class DraftKV:
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """``[..., hidden]`` output features -> ``[..., V]`` float32 logits over the target's whole
         vocabulary (``-inf`` outside the head's subset, so the shared ``logits_to_probs`` applies)."""
+        return self._full_vocab(self.head_scores(features))
+
+    @torch.inference_mode()
+    def head_scores(self, features: torch.Tensor) -> torch.Tensor:
+        """``[..., hidden]`` output features -> ``[..., draft_vocab]`` float32 logits over the head's
+        own tokens (``model.vocab_ids`` maps them to the target's; all of them when it is None)."""
         m = self.model
         if self._kernel is not None:
             lead = features.shape[:-1]
             normed = m._norm(features.float(), m.norm.float()).reshape(-1, m.cfg.hidden_size).contiguous()
             head = self._kernel_weights[-1]  # [draft_vocab, hidden], KERNEL_DTYPE
-            scores = self._kernel.linear(normed, head, None, None).view(*lead, -1)
-        else:
-            scores = m.scores(features).float()  # [..., draft_vocab]
-        return self._full_vocab(scores)
+            scores = self._head_threads.run(lambda: self._kernel.linear(normed, head, None, None))
+            return scores.view(*lead, -1)
+        return m.scores(features).float()  # [..., draft_vocab]
 
     def _full_vocab(self, scores: torch.Tensor) -> torch.Tensor:
         """``[..., draft_vocab]`` -> ``[..., V]``, ``-inf`` outside the head's subset."""
