@@ -124,3 +124,16 @@ def test_greedy_verify_equals_rejection_sample_on_one_hot():
         a = rejection_sample(draft, draft_one_hot, one_hot, num_draft, [None] * 3)
         b = greedy_verify(draft, logits, num_draft)
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.num_accepted, b.num_accepted)
+
+
+def test_argmax_last_is_torch_argmax_with_ties_and_nan() -> None:
+    from verispec.rejection import argmax_last
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 4, (3, 5, 50), generator=g).float()  # many ties
+    x[0, 1, 7] = float("nan")
+    x[2, 0, 3] = float("nan")
+    x[2, 0, 9] = float("nan")
+    for t in (x, x.double(), x[:, 1:4], x.transpose(0, 1)):
+        got = argmax_last(t)
+        assert got.dtype == torch.int64 and torch.equal(got, t.argmax(dim=-1))

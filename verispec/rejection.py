@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -126,8 +127,21 @@ def greedy_verify(
         target_logits: ``[B, k + 1, V]``.
         num_draft: ``[B]`` int64 real drafts per row.
     """
+    return _accept_chain(draft_tokens, argmax_last(target_logits).to(draft_tokens.device), num_draft)
+
+
+def argmax_last(logits: torch.Tensor) -> torch.Tensor:
+    """``[..., V]`` -> ``[...]`` int64: the index of each row's largest value (the first on ties;
+    NaN counts as largest), as ``torch.argmax``. On the CPU it is numpy's: 7-10x faster than torch's
+    here (one 49152-wide row 4 us against 46, five rows 19 against 134), once per decoding step."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(logits.detach().numpy().argmax(axis=-1).astype(np.int64, copy=False))
+    return logits.argmax(dim=-1)
+
+
+def _accept_chain(draft_tokens: torch.Tensor, best: torch.Tensor, num_draft: torch.Tensor) -> Verdict:
+    """:func:`greedy_verify` given the target's argmax tokens ``best`` ``[B, k + 1]``."""
     batch, k = draft_tokens.shape
-    best = target_logits.argmax(dim=-1).to(draft_tokens.device)  # [B, k + 1]
     if k == 0:  # a plain step: the target's argmax, nothing to compare
         return Verdict(tokens=best, num_accepted=torch.zeros(batch, dtype=torch.int64, device=best.device))
     positions = torch.arange(k, device=draft_tokens.device)
@@ -171,8 +185,8 @@ def greedy_verify_tree(
             alternative.
     """
     batch, k = draft_tokens.shape
-    best = target_logits.argmax(dim=-1).to(draft_tokens.device)  # [B, 1 + k + A]
-    chain = greedy_verify(draft_tokens, target_logits[:, : k + 1], num_draft)
+    best = argmax_last(target_logits).to(draft_tokens.device)  # [B, 1 + k + A]
+    chain = _accept_chain(draft_tokens, best[:, : k + 1], num_draft)
     accepted = chain.num_accepted  # [B]
     target_token = best.gather(1, accepted[:, None])  # [B, 1]: the target's token at the miss
     hits = (alternative_positions == accepted[:, None]) & (alternative_tokens == target_token)  # [B, A]

@@ -407,6 +407,15 @@ class FastLlama:
 
     def truncate(self, lengths: torch.Tensor, rows: list[int] | None = None) -> None:
         """Roll back: row ``rows[i]`` keeps its first ``lengths[i]`` tokens (``[n]`` int64)."""
+        if isinstance(rows, list) and len(rows) == 1 and 0 <= rows[0] < self._batch:
+            # One row, every decoding step: Python ints instead of a dozen small tensor operations.
+            values = torch.as_tensor(lengths).reshape(-1).tolist()
+            if len(values) != 1:
+                raise ValueError(f"{len(values)} lengths for 1 row")
+            if not 0 <= values[0] <= int(self._lengths[rows[0]]):
+                raise ValueError("truncate can only shorten rows")
+            self._lengths[rows[0]] = values[0]
+            return
         idx = self._rows(rows)
         new = torch.as_tensor(lengths, dtype=torch.int64).reshape(-1)
         if new.numel() != idx.numel():
