@@ -258,10 +258,18 @@ class DraftKV:
         self._kernel, self._kernel_weights = None, []
         if use_kernel is not False:
             self._kernel, self._kernel_weights = _draft_kernel(model, self.max_length)
+        self._fc: torch.Tensor | None = None
+        """EAGLE's ``fc`` ``[hidden, 2 hidden]`` as ``KERNEL_DTYPE`` for the kernel's ``linear``: in
+        torch, float32, it took about half of each draft forward."""
+        if self._kernel is not None and model.fc is not None:
+            self._fc = model.fc.weight.detach().float().to(KERNEL_DTYPE).contiguous()
+            self._kernel_weights.insert(0, self._fc)  # counted by memory_bytes; the head stays last
         self._threads = ThreadTuner()
         """Thread count of the kernel's layer calls, from measured times (as the target's)."""
         self._head_threads = ThreadTuner()
         """The same for the head's scores (another cost scale)."""
+        self._fc_threads = ThreadTuner()
+        """And for EAGLE's ``fc``."""
         self.reset(max_batch_size)
 
     @property
@@ -360,7 +368,13 @@ class DraftKV:
         """The forward on the kernel: first-layer inputs ``[n, T, hidden]`` from torch (embeddings,
         EAGLE's ``fc``), then one call for the layers and the head."""
         n, t = ids.shape
-        x = self.model.inputs(ids, features).float().reshape(n * t, -1).contiguous()  # [n*T, hidden]
+        if self._fc is not None and features is not None:
+            embed = F.embedding(ids, self.model.embed)  # [n, T, hidden]
+            pair = torch.cat([embed, features.to(embed.dtype)], dim=-1).float()  # [n, T, 2 hidden]
+            pair = pair.reshape(n * t, -1).contiguous()
+            x = self._fc_threads.run(lambda: self._kernel.linear(pair, self._fc, None, None), tokens=n * t)
+        else:
+            x = self.model.inputs(ids, features).float().reshape(n * t, -1).contiguous()  # [n*T, hidden]
         wanted = logit_rows(n, t, logits)
         slots, flat = idx.repeat_interleave(t), pos.reshape(-1)
         scores = self._threads.run(lambda: self._kernel.forward_hidden(x, slots, flat, wanted), tokens=n * t)
