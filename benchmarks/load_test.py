@@ -56,6 +56,7 @@ def bench_prompts(categories: list[str], count: int) -> list[str]:
 
 # ----- crossover: the engine alone -----
 
+
 def crossover(args: argparse.Namespace) -> None:
     import torch
 
@@ -68,18 +69,23 @@ def crossover(args: argparse.Namespace) -> None:
     torch.set_grad_enabled(False)
     biggest = max(args.batch)
     target = load_model(args.model, max_batch_size=biggest, max_length=args.max_model_len)
-    proposer = build_proposer(target, args.speculative_model, args.speculative_model is None,
-                              max_batch_size=biggest)
+    proposer = build_proposer(
+        target, args.speculative_model, args.speculative_model is None, max_batch_size=biggest
+    )
     tok = target.tokenizer
     texts = bench_prompts(args.categories, biggest)
-    prompts = [encode_prompt(tok, t, chat=target.instruct)[-args.max_prompt_tokens:] for t in texts]
+    prompts = [encode_prompt(tok, t, chat=target.instruct)[-args.max_prompt_tokens :] for t in texts]
     rows = []
     for batch in args.batch:
         base = None
         for k in args.k:
             engine = Engine(target, proposer if k else None, eos_token_ids=target.eos_token_ids)
-            config = GenerationConfig(max_new_tokens=args.max_tokens, num_speculative_tokens=k,
-                                      sampling=SamplingConfig(temperature=0), ignore_eos=True)
+            config = GenerationConfig(
+                max_new_tokens=args.max_tokens,
+                num_speculative_tokens=k,
+                sampling=SamplingConfig(temperature=0),
+                ignore_eos=True,
+            )
             seqs = [engine.new_sequence(p, config) for p in prompts[:batch]]
             steps = 0
             start = None
@@ -93,19 +99,26 @@ def crossover(args: argparse.Namespace) -> None:
             accepted = sum(s.stats.accepted_tokens for s in seqs)
             tps = tokens / seconds
             base = tps if k == 0 else base
-            row = {"batch": batch, "k": k, "tokens_per_second": round(tps, 1),
-                   "speedup": round(tps / base, 2) if base else None,
-                   "acceptance_rate": round(accepted / drafted, 2) if drafted else None,
-                   "ms_per_step": round(1000 * seconds / max(1, steps - 1), 1)}
+            row = {
+                "batch": batch,
+                "k": k,
+                "tokens_per_second": round(tps, 1),
+                "speedup": round(tps / base, 2) if base else None,
+                "acceptance_rate": round(accepted / drafted, 2) if drafted else None,
+                "ms_per_step": round(1000 * seconds / max(1, steps - 1), 1),
+            }
             rows.append(row)
             print(json.dumps(row), flush=True)
     print("\n| batch | k | tokens/s | speedup vs k=0 | acceptance | ms/step |\n|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['batch']} | {r['k']} | {r['tokens_per_second']} | {r['speedup']} | "
-              f"{r['acceptance_rate']} | {r['ms_per_step']} |")
+        print(
+            f"| {r['batch']} | {r['k']} | {r['tokens_per_second']} | {r['speedup']} | "
+            f"{r['acceptance_rate']} | {r['ms_per_step']} |"
+        )
 
 
 # ----- load: HTTP clients against a server -----
+
 
 @dataclass
 class Sample:
@@ -127,10 +140,25 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     import httpx
 
     port = _free_port()
-    cmd = [sys.executable, "-m", "verispec.entrypoints.openai.api_server", "--model", args.model,
-           "--served-model-name", "bench", "--port", str(port), "--max-num-seqs", str(max(args.clients)),
-           "--max-model-len", str(args.max_model_len), "-k", str(args.num_speculative_tokens),
-           "--dtype", args.dtype]
+    cmd = [
+        sys.executable,
+        "-m",
+        "verispec.entrypoints.openai.api_server",
+        "--model",
+        args.model,
+        "--served-model-name",
+        "bench",
+        "--port",
+        str(port),
+        "--max-num-seqs",
+        str(max(args.clients)),
+        "--max-model-len",
+        str(args.max_model_len),
+        "-k",
+        str(args.num_speculative_tokens),
+        "--dtype",
+        args.dtype,
+    ]
     cmd += ["--speculative-model", args.speculative_model] if args.speculative_model else ["--prompt-lookup"]
     if args.batch_policy:
         cmd += ["--batch-policy", args.batch_policy]
@@ -156,9 +184,14 @@ async def one_client(client, prompts: list[str], args: argparse.Namespace, specu
         stamps = []
         tokens = 0
         stream = await client.chat.completions.create(
-            model="bench", messages=[{"role": "user", "content": prompt}], max_tokens=args.max_tokens,
-            temperature=0, stream=True, stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True, "speculative": {"enabled": speculate}})
+            model="bench",
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=args.max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True, "speculative": {"enabled": speculate}},
+        )
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 stamps.append(time.perf_counter())
@@ -166,30 +199,41 @@ async def one_client(client, prompts: list[str], args: argparse.Namespace, specu
                 tokens = chunk.usage.completion_tokens
         end = time.perf_counter()
         gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-        out.append(Sample(tokens=tokens, ttft=(stamps[0] if stamps else end) - start, latency=end - start,
-                          gaps=gaps))
+        out.append(
+            Sample(tokens=tokens, ttft=(stamps[0] if stamps else end) - start, latency=end - start, gaps=gaps)
+        )
     return out
 
 
-async def run_load(url: str, clients: int, prompts: list[str], args: argparse.Namespace,
-                   speculate: bool) -> dict:
+async def run_load(
+    url: str, clients: int, prompts: list[str], args: argparse.Namespace, speculate: bool
+) -> dict:
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
-    per_client = [prompts[(c * args.requests + r) % len(prompts)] for c in range(clients)
-                  for r in range(args.requests)]
+    per_client = [
+        prompts[(c * args.requests + r) % len(prompts)] for c in range(clients) for r in range(args.requests)
+    ]
     start = time.perf_counter()
-    results = await asyncio.gather(*(one_client(client, per_client[c * args.requests:(c + 1) * args.requests],
-                                                args, speculate) for c in range(clients)))
+    results = await asyncio.gather(
+        *(
+            one_client(client, per_client[c * args.requests : (c + 1) * args.requests], args, speculate)
+            for c in range(clients)
+        )
+    )
     wall = time.perf_counter() - start
     await client.close()
     samples = [s for r in results for s in r]
     gaps = [g for s in samples for g in s.gaps]
-    return {"clients": clients, "speculation": speculate, "requests": len(samples),
-            "throughput_tokens_per_s": round(sum(s.tokens for s in samples) / wall, 1),
-            "mean_ttft_s": round(statistics.mean(s.ttft for s in samples), 3),
-            "mean_itl_ms": round(1000 * statistics.mean(gaps), 1) if gaps else None,
-            "mean_latency_s": round(statistics.mean(s.latency for s in samples), 2)}
+    return {
+        "clients": clients,
+        "speculation": speculate,
+        "requests": len(samples),
+        "throughput_tokens_per_s": round(sum(s.tokens for s in samples) / wall, 1),
+        "mean_ttft_s": round(statistics.mean(s.ttft for s in samples), 3),
+        "mean_itl_ms": round(1000 * statistics.mean(gaps), 1) if gaps else None,
+        "mean_latency_s": round(statistics.mean(s.latency for s in samples), 2),
+    }
 
 
 def load(args: argparse.Namespace) -> None:
@@ -215,8 +259,10 @@ def load(args: argparse.Namespace) -> None:
         for r in (on, off):
             speedup = round(r["throughput_tokens_per_s"] / off["throughput_tokens_per_s"], 2)
             mode = "on" if r["speculation"] else "off"
-            print(f"| {r['clients']} | {mode} | {r['throughput_tokens_per_s']} | {speedup} | "
-                  f" {r['mean_ttft_s']} | {r['mean_itl_ms']} | {r['mean_latency_s']} |")
+            print(
+                f"| {r['clients']} | {mode} | {r['throughput_tokens_per_s']} | {speedup} | "
+                f" {r['mean_ttft_s']} | {r['mean_itl_ms']} | {r['mean_latency_s']} |"
+            )
     accepted = [line for line in metrics.splitlines() if line.startswith("verispec:spec_decode")]
     print("\n" + "\n".join(accepted))
 
@@ -231,42 +277,63 @@ def compare(args: argparse.Namespace) -> None:
     from verispec.tokenizers import encode_prompt
 
     torch.set_grad_enabled(False)
-    texts = [p.text for c in args.categories for p in [q for q in load_prompts() if q.category == c][
-        : args.per_category]]
+    texts = [
+        p.text
+        for c in args.categories
+        for p in [q for q in load_prompts() if q.category == c][: args.per_category]
+    ]
     if not texts:
         raise SystemExit(f"no prompts in categories {args.categories}")
     target = load_model(args.model, max_length=args.max_model_len, dtype=args.dtype)
-    proposer = build_proposer(target, args.speculative_model, args.speculative_model is None,
-                              dtype=args.dtype)
+    proposer = build_proposer(
+        target, args.speculative_model, args.speculative_model is None, dtype=args.dtype
+    )
     ids = [encode_prompt(target.tokenizer, t, chat=target.instruct) for t in texts]
     proc, url = start_server(argparse.Namespace(**{**vars(args), "clients": [1]}))
     client = httpx.Client(timeout=600)
 
     def local(i: int, spec: bool) -> tuple[int, float]:
         start = time.perf_counter()
-        out = speculative_generate(target, proposer if spec else None, ids[i], max_new_tokens=args.max_tokens,
-                                   num_speculative_tokens=args.num_speculative_tokens if spec else 0,
-                                   temperature=0, ignore_eos=True)
+        out = speculative_generate(
+            target,
+            proposer if spec else None,
+            ids[i],
+            max_new_tokens=args.max_tokens,
+            num_speculative_tokens=args.num_speculative_tokens if spec else 0,
+            temperature=0,
+            ignore_eos=True,
+        )
         return len(out.token_ids), time.perf_counter() - start
 
     def served(i: int, spec: bool) -> tuple[int, float]:
         start = time.perf_counter()
-        r = client.post(f"{url}/v1/chat/completions", json={
-            "model": "bench", "messages": [{"role": "user", "content": texts[i]}],
-            "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,
-            "speculative": {"enabled": spec}})
+        r = client.post(
+            f"{url}/v1/chat/completions",
+            json={
+                "model": "bench",
+                "messages": [{"role": "user", "content": texts[i]}],
+                "max_tokens": args.max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "speculative": {"enabled": spec},
+            },
+        )
         r.raise_for_status()
         return r.json()["usage"]["completion_tokens"], time.perf_counter() - start
 
-    modes = {"bench plain": (local, False), "bench speculative": (local, True),
-             "server off": (served, False), "server on": (served, True)}
+    modes = {
+        "bench plain": (local, False),
+        "bench speculative": (local, True),
+        "server off": (served, False),
+        "server on": (served, True),
+    }
     totals = {m: [0, 0.0] for m in modes}
     try:
         for fn, spec in modes.values():  # warm-up, uncounted
             fn(0, spec)
         for i in range(len(texts)):
             names = list(modes)
-            for m in names[i % 4:] + names[: i % 4]:
+            for m in names[i % 4 :] + names[: i % 4]:
                 fn, spec = modes[m]
                 tokens, seconds = fn(i, spec)
                 totals[m][0] += tokens
@@ -283,8 +350,10 @@ def compare(args: argparse.Namespace) -> None:
     print("\n| mode | tokens/s |\n|---|---|")
     for m, v in tps.items():
         print(f"| {m} | {v:.1f} |")
-    print(f"\nbench speedup {bench_speedup:.2f}x, server speedup at 1 client {server_speedup:.2f}x, "
-          f"ratio {server_speedup / bench_speedup:.2f} ({len(texts)} prompts, {args.max_tokens} tokens each)")
+    print(
+        f"\nbench speedup {bench_speedup:.2f}x, server speedup at 1 client {server_speedup:.2f}x, "
+        f"ratio {server_speedup / bench_speedup:.2f} ({len(texts)} prompts, {args.max_tokens} tokens each)"
+    )
 
 
 def main() -> None:

@@ -208,8 +208,16 @@ def test_goal_faster_format_speculative_against_llama_cpp():
     from verispec.bench.runner import ALL
 
     def row(label, method, dtype, cat, tps):
-        return {"label": label, "method": method, "dtype": dtype, "category": cat, "tokens_per_second": tps,
-                "speedup": 1.0, "adaptive": False, "outputs_match_baseline": True}
+        return {
+            "label": label,
+            "method": method,
+            "dtype": dtype,
+            "category": cat,
+            "tokens_per_second": tps,
+            "speedup": 1.0,
+            "adaptive": False,
+            "outputs_match_baseline": True,
+        }
 
     cats = ("summarization", "rag", "coding", ALL)
     rows = [row("llama.cpp", "llama.cpp", "gguf", c, 80.0) for c in cats]

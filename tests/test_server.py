@@ -39,8 +39,14 @@ class Server:
     def __init__(self, args: list[str], startup_s: float = 120.0):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "verispec.entrypoints.openai.api_server", *args,
-               "--port", str(self.port)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "verispec.entrypoints.openai.api_server",
+            *args,
+            "--port",
+            str(self.port),
+        ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + startup_s
         while time.monotonic() < deadline:
@@ -82,9 +88,26 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tiny_model_folder: Path) -> Iterator[Server]:
     folder = str(tiny_model_folder)
-    srv = Server(["--model", folder, "--speculative-model", folder, "--num-speculative-tokens", "3",
-                  "--served-model-name", "tiny", "--max-model-len", str(MAX_MODEL_LEN), "--api-key", API_KEY,
-                  "--max-num-seqs", "16", "--max-request-bytes", str(BODY_LIMIT)])
+    srv = Server(
+        [
+            "--model",
+            folder,
+            "--speculative-model",
+            folder,
+            "--num-speculative-tokens",
+            "3",
+            "--served-model-name",
+            "tiny",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--api-key",
+            API_KEY,
+            "--max-num-seqs",
+            "16",
+            "--max-request-bytes",
+            str(BODY_LIMIT),
+        ]
+    )
     try:
         yield srv
     finally:
@@ -108,6 +131,7 @@ def _stream_chat(client: openai.OpenAI, content: str, **kw) -> tuple[str, list]:
 
 
 # ----- happy paths -----
+
 
 def test_models_lists_the_served_name(client: openai.OpenAI) -> None:
     models = client.models.list().data
@@ -135,12 +159,21 @@ def test_streaming_equals_non_streaming_and_ends_with_done(client: openai.OpenAI
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
     assert "speculative" in chunks[-1].model_extra
-    raw = httpx.post(f"{server.url}/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
-                     json={"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
-                           "stream": True, "stream_options": {"include_usage": True}}, timeout=30).text
+    raw = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 4,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+        timeout=30,
+    ).text
     events = [line for line in raw.split("\n\n") if line]
     assert events[-1] == "data: [DONE]"
-    assert json.loads(events[-2][len("data: "):])["usage"]["completion_tokens"] <= 4
+    assert json.loads(events[-2][len("data: ") :])["usage"]["completion_tokens"] <= 4
 
 
 def test_completions_streaming_and_not(client: openai.OpenAI) -> None:
@@ -174,16 +207,23 @@ def test_seed_reproduces_a_sampled_answer(client: openai.OpenAI) -> None:
 
 
 def test_stop_string_cuts_the_text(client: openai.OpenAI) -> None:
-    kw = dict(model="tiny", prompt="Once upon a time", max_tokens=24, temperature=1.0, seed=5,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model="tiny",
+        prompt="Once upon a time",
+        max_tokens=24,
+        temperature=1.0,
+        seed=5,
+        extra_body={"ignore_eos": True},
+    )
     text = client.completions.create(**kw).choices[0].text
     # A stop string from the second half of the (seeded, so repeatable) text, not all whitespace.
     starts = [i for i in range(len(text) // 2, len(text) - 3) if text[i : i + 3].strip()]
     assert starts, f"no usable stop string in {text!r}"
     stop = text[starts[0] : starts[0] + 3]
     cut = client.completions.create(stop=[stop], **kw)
-    streamed = "".join(c.choices[0].text for c in client.completions.create(stop=[stop], stream=True, **kw)
-                       if c.choices)
+    streamed = "".join(
+        c.choices[0].text for c in client.completions.create(stop=[stop], stream=True, **kw) if c.choices
+    )
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].text == text[: text.index(stop)] == streamed
 
@@ -199,8 +239,13 @@ def test_16_concurrent_streams_all_complete_correctly(client: openai.OpenAI, ser
         async def one(i: int) -> str:
             extra = {"speculative": {"enabled": i % 4 != 0}}  # mix rows with and without speculation
             stream = await aclient.chat.completions.create(
-                model="tiny", messages=[{"role": "user", "content": prompts[i]}], max_tokens=lengths[i],
-                temperature=0, stream=True, extra_body=extra)
+                model="tiny",
+                messages=[{"role": "user", "content": prompts[i]}],
+                max_tokens=lengths[i],
+                temperature=0,
+                stream=True,
+                extra_body=extra,
+            )
             return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
         try:
@@ -214,6 +259,7 @@ def test_16_concurrent_streams_all_complete_correctly(client: openai.OpenAI, ser
 
 
 # ----- bad input -----
+
 
 def _post(server: Server, body: bytes | dict, *, key: str | None = API_KEY) -> httpx.Response:
     url = server.url + "/v1/chat/completions"
@@ -254,8 +300,9 @@ def test_unknown_model_is_404(client: openai.OpenAI) -> None:
 )
 def test_bad_parameter_values_are_400(client: openai.OpenAI, extra: dict, param: str) -> None:
     with pytest.raises(openai.BadRequestError) as exc:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                       extra_body=extra)
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], extra_body=extra
+        )
     assert exc.value.body["param"] == param
     assert exc.value.body["type"] == "invalid_request_error"
 
@@ -285,12 +332,25 @@ def test_missing_or_wrong_api_key_is_401(server: Server) -> None:
 
 # ----- robustness -----
 
+
 def test_disconnect_mid_stream_cancels_and_frees_the_slot(server: Server, client: openai.OpenAI) -> None:
     aborted = server.metric("verispec:request_success_total", 'finished_reason="abort"')
-    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0,
-            "stream": True, "ignore_eos": True, "speculative": {"enabled": False}}
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
-                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30) as resp:
+    body = {
+        "model": "tiny",
+        "prompt": "Once upon a time",
+        "max_tokens": 200,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "speculative": {"enabled": False},
+    }
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=30,
+    ) as resp:
         lines = resp.iter_lines()
         got = [next(lines) for _ in range(3)]
         assert got[0].startswith("data: ")
@@ -333,8 +393,12 @@ def test_failure_of_one_request_leaves_the_others_running() -> None:
     async def go() -> list:
         loop = asyncio.get_running_loop()
         config = GenerationConfig(max_new_tokens=6, sampling=SamplingConfig(temperature=0), ignore_eos=True)
-        reqs = [ServerRequest(seq=engine.new_sequence([first, 5, 6], config), loop=loop,
-                              queue=asyncio.Queue(), k=0) for first in (3, poison, 4)]
+        reqs = [
+            ServerRequest(
+                seq=engine.new_sequence([first, 5, 6], config), loop=loop, queue=asyncio.Queue(), k=0
+            )
+            for first in (3, poison, 4)
+        ]
         for r in reqs:
             sched.submit(r)
         finals = []
@@ -359,8 +423,14 @@ def test_200_requests_in_a_row_without_memory_growth(server: Server, client: ope
     before = server.rss()
     for i in range(200):
         stream = i % 2 == 0
-        out = client.completions.create(model="tiny", prompt=f"request {i} " * (1 + i % 7), max_tokens=4,
-                                        stream=stream, temperature=0.7, seed=i)
+        out = client.completions.create(
+            model="tiny",
+            prompt=f"request {i} " * (1 + i % 7),
+            max_tokens=4,
+            stream=stream,
+            temperature=0.7,
+            seed=i,
+        )
         if stream:
             list(out)
     growth = server.rss() - before
@@ -369,9 +439,20 @@ def test_200_requests_in_a_row_without_memory_growth(server: Server, client: ope
 
 # ----- slow: the real default model -----
 
+
 def _generate_json(prompt: str, *extra: str) -> dict:
-    cmd = [sys.executable, "-m", "verispec.cli", "generate", prompt, "--json", "--prompt-lookup",
-           "--max-new-tokens", "32", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "verispec.cli",
+        "generate",
+        prompt,
+        "--json",
+        "--prompt-lookup",
+        "--max-new-tokens",
+        "32",
+        *extra,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
@@ -393,19 +474,28 @@ def test_greedy_chat_equals_verispec_generate(default_server: Server) -> None:
     prompt = "Rewrite this sentence in the past tense: the cat sits on the mat and watches the birds."
     cli = _generate_json(prompt)
     c = openai.OpenAI(base_url=f"{default_server.url}/v1", api_key="none", max_retries=0, timeout=300)
-    resp = c.chat.completions.create(model="default", messages=[{"role": "user", "content": prompt}],
-                                     max_tokens=32, temperature=0)
+    resp = c.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": prompt}], max_tokens=32, temperature=0
+    )
     assert resp.choices[0].message.content == cli["text"]
     assert resp.usage.completion_tokens == len(cli["token_ids"])
-    streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
-        model="default", messages=[{"role": "user", "content": prompt}], max_tokens=32, temperature=0,
-        stream=True) if ch.choices)
+    streamed = "".join(
+        ch.choices[0].delta.content or ""
+        for ch in c.chat.completions.create(
+            model="default",
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=32,
+            temperature=0,
+            stream=True,
+        )
+        if ch.choices
+    )
     assert streamed == cli["text"]
 
 
 @pytest.mark.slow
 def test_greedy_completion_equals_verispec_generate_raw(default_server: Server) -> None:
-    prompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+    prompt = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
     cli = _generate_json(prompt, "--raw")
     c = openai.OpenAI(base_url=f"{default_server.url}/v1", api_key="none", max_retries=0, timeout=300)
     resp = c.completions.create(model="default", prompt=prompt, max_tokens=32, temperature=0)

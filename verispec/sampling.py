@@ -54,6 +54,7 @@ class SamplingTensors:
         index = torch.tensor(list(rows), dtype=torch.int64)
         return self.of(self.temperature[index], self.top_k[index], self.top_p[index])
 
+
 def logits_to_probs(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     """Turn logits into the distribution that sampling draws from.
 

@@ -55,13 +55,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints")
     p.add_argument("--max-num-seqs", type=int, default=16, help="sequences in the running batch at most")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="context length: prompt + completion "
-                        f"(default: the model's, at most {DEFAULT_MAX_MODEL_LEN})")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help=f"context length: prompt + completion (default: the model's, at most {DEFAULT_MAX_MODEL_LEN})",
+    )
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
-    p.add_argument("--batch-policy", default=None,
-                   help="draft-length caps by batch size as 'max_batch:k,...' (default: measured, see "
-                        "benchmarks/SERVER.md); 'off' never caps")
+    p.add_argument(
+        "--batch-policy",
+        default=None,
+        help="draft-length caps by batch size as 'max_batch:k,...' (default: measured, see "
+        "benchmarks/SERVER.md); 'off' never caps",
+    )
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
 
@@ -90,24 +96,46 @@ def build_state(args: argparse.Namespace) -> ServerState:
     from verispec.models.loading import load_model
 
     max_len = args.max_model_len
-    target = load_model(args.model, backend=args.backend, dtype=args.dtype, device=args.device,
-                        max_batch_size=args.max_num_seqs,
-                        max_length=max_len or DEFAULT_MAX_MODEL_LEN)
+    target = load_model(
+        args.model,
+        backend=args.backend,
+        dtype=args.dtype,
+        device=args.device,
+        max_batch_size=args.max_num_seqs,
+        max_length=max_len or DEFAULT_MAX_MODEL_LEN,
+    )
     target.reset(args.max_num_seqs)
     proposer = None
     if args.num_speculative_tokens > 0:
-        proposer = build_proposer(target, args.draft_model, args.prompt_lookup,
-                                  max_batch_size=args.max_num_seqs, dtype=args.dtype, backend=args.backend)
+        proposer = build_proposer(
+            target,
+            args.draft_model,
+            args.prompt_lookup,
+            max_batch_size=args.max_num_seqs,
+            dtype=args.dtype,
+            backend=args.backend,
+        )
     tok = target.tokenizer
-    engine = Engine(target, proposer, eos_token_ids=target.eos_token_ids,
-                    decode=lambda ids: tok.decode(ids, skip_special_tokens=True), adaptive=adapt_k)
+    engine = Engine(
+        target,
+        proposer,
+        eos_token_ids=target.eos_token_ids,
+        decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+        adaptive=adapt_k,
+    )
     name = args.served_model_name or args.model
     policy = BatchPolicy.parse(args.batch_policy) if args.batch_policy else BatchPolicy()
     scheduler = Scheduler(engine, args.max_num_seqs, ServerMetrics(name), policy)
-    return ServerState(scheduler=scheduler, tokenizer=tok, served_model_name=name,
-                       max_model_len=int(target.max_length), default_k=args.num_speculative_tokens,
-                       api_key=args.api_key, max_request_bytes=args.max_request_bytes,
-                       chat=bool(getattr(tok, "chat_template", None)))
+    return ServerState(
+        scheduler=scheduler,
+        tokenizer=tok,
+        served_model_name=name,
+        max_model_len=int(target.max_length),
+        default_k=args.num_speculative_tokens,
+        api_key=args.api_key,
+        max_request_bytes=args.max_request_bytes,
+        chat=bool(getattr(tok, "chat_template", None)),
+    )
 
 
 def build_app(state: ServerState):
@@ -144,8 +172,13 @@ def build_app(state: ServerState):
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         _check_auth(state, request)
-        card = {"id": state.served_model_name, "object": "model", "created": created(),
-                "owned_by": "verispec", "max_model_len": state.max_model_len}
+        card = {
+            "id": state.served_model_name,
+            "object": "model",
+            "created": created(),
+            "owned_by": "verispec",
+            "max_model_len": state.max_model_len,
+        }
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.post("/v1/chat/completions")
@@ -174,8 +207,9 @@ def build_app(state: ServerState):
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
-                raise APIError(400, "one prompt per request: send a list of prompts as separate requests",
-                               param="prompt")
+                raise APIError(
+                    400, "one prompt per request: send a list of prompts as separate requests", param="prompt"
+                )
             prompt = prompt[0]
         if isinstance(prompt, str):
             if not prompt:
@@ -185,8 +219,9 @@ def build_app(state: ServerState):
             ids = list(prompt)
         return await _generate(state, request, req, ids, chat=False)
 
-    async def _generate(state: ServerState, request: Request, req: Any, ids: list[int],
-                        chat: bool) -> Response:
+    async def _generate(
+        state: ServerState, request: Request, req: Any, ids: list[int], chat: bool
+    ) -> Response:
         if not ids:
             raise APIError(400, "the prompt is empty", param="prompt")
         p = plan(req, len(ids), state.max_model_len, state.default_k)
@@ -201,8 +236,9 @@ def build_app(state: ServerState):
         rid = new_id("chatcmpl" if chat else "cmpl")
         if p.stream:
             body = _stream(state, request, sreq, p, rid, chat)
-            return _CancellingStream(body, on_close=lambda: state.scheduler.cancel(sreq),
-                                     media_type="text/event-stream")
+            return _CancellingStream(
+                body, on_close=lambda: state.scheduler.cancel(sreq), media_type="text/event-stream"
+            )
         try:
             final = await _final_update(request, sreq)
         finally:
@@ -216,10 +252,15 @@ def build_app(state: ServerState):
             choice["message"] = {"role": "assistant", "content": final.text}
         else:
             choice["text"] = final.text
-        body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created(),
-                "model": state.served_model_name, "choices": [choice],
-                "usage": usage(seq.prompt_len, final.completion_tokens),
-                "speculative": speculative_stats(final.stats or {}, sreq.k)}
+        body = {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created(),
+            "model": state.served_model_name,
+            "choices": [choice],
+            "usage": usage(seq.prompt_len, final.completion_tokens),
+            "speculative": speculative_stats(final.stats or {}, sreq.k),
+        }
         return JSONResponse(body)
 
     class _CancellingStream(StreamingResponse):
@@ -263,15 +304,17 @@ async def _final_update(request: Any, sreq: ServerRequest) -> Update | None:
         return None
 
 
-async def _stream(state: ServerState, request: Any, sreq: ServerRequest, p: RequestPlan, rid: str,
-                  chat: bool) -> AsyncIterator[str]:
+async def _stream(
+    state: ServerState, request: Any, sreq: ServerRequest, p: RequestPlan, rid: str, chat: bool
+) -> AsyncIterator[str]:
     """Server-sent events: a role chunk (chat), text deltas, a final chunk with the finish reason and
     statistics, an optional usage chunk, then ``data: [DONE]``."""
     kind = "chat.completion.chunk" if chat else "text_completion"
     stamp = created()
 
-    def chunk(delta: str | None, finish: str | None = None, extra: dict | None = None,
-              role: bool = False) -> str:
+    def chunk(
+        delta: str | None, finish: str | None = None, extra: dict | None = None, role: bool = False
+    ) -> str:
         if chat:
             d: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if delta:
@@ -279,8 +322,13 @@ async def _stream(state: ServerState, request: Any, sreq: ServerRequest, p: Requ
             choice: dict[str, Any] = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
         else:
             choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
-        body = {"id": rid, "object": kind, "created": stamp, "model": state.served_model_name,
-                "choices": [choice]}
+        body = {
+            "id": rid,
+            "object": kind,
+            "created": stamp,
+            "model": state.served_model_name,
+            "choices": [choice],
+        }
         if extra:
             body.update(extra)
         return f"data: {json.dumps(body)}\n\n"
@@ -298,15 +346,21 @@ async def _stream(state: ServerState, request: Any, sreq: ServerRequest, p: Requ
                 break
             done = update.finish_reason is not None
             text = update.text if done else _settled(update.text, stop)
-            delta = text[len(sent):] if len(text) > len(sent) else ""
+            delta = text[len(sent) :] if len(text) > len(sent) else ""
             if delta:
                 sent = text
             if done:
                 extra = {"speculative": speculative_stats(update.stats or {}, sreq.k)}
                 yield chunk(delta, update.finish_reason, extra)
                 if p.include_usage:
-                    body = {"id": rid, "object": kind, "created": stamp, "model": state.served_model_name,
-                            "choices": [], "usage": usage(sreq.seq.prompt_len, update.completion_tokens)}
+                    body = {
+                        "id": rid,
+                        "object": kind,
+                        "created": stamp,
+                        "model": state.served_model_name,
+                        "choices": [],
+                        "usage": usage(sreq.seq.prompt_len, update.completion_tokens),
+                    }
                     yield f"data: {json.dumps(body)}\n\n"
                 break
             if delta:
@@ -337,14 +391,19 @@ def _check_auth(state: ServerState, request: Any) -> None:
     header = request.headers.get("authorization", "")
     scheme, _, key = header.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), state.api_key.encode()):
-        raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                       code="invalid_api_key")
+        raise APIError(
+            401, "missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+        )
 
 
 def _check_model(state: ServerState, model: str) -> None:
     if model != state.served_model_name:
-        raise APIError(404, f"The model '{model}' does not exist; this server serves "
-                       f"'{state.served_model_name}'.", param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"The model '{model}' does not exist; this server serves '{state.served_model_name}'.",
+            param="model",
+            code="model_not_found",
+        )
 
 
 async def _read_json(state: ServerState, request: Any) -> Any:
@@ -385,8 +444,9 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(state)
     log.warning("serving %s on http://%s:%d/v1", state.served_model_name, args.host, args.port)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=5)
+        uvicorn.run(
+            app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+        )
     finally:
         state.scheduler.stop()
     return 0
@@ -419,8 +479,10 @@ def _load_in_engine_thread(args: argparse.Namespace) -> ServerState:
 def main(argv: list[str] | None = None) -> int:
     """``python -m verispec.entrypoints.openai.api_server``: the same flags as ``verispec serve``."""
     logging.basicConfig(level=logging.WARNING, format="verispec: %(message)s")
-    parser = argparse.ArgumentParser(prog="python -m verispec.entrypoints.openai.api_server",
-                                     description=(__doc__ or "").strip().splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m verispec.entrypoints.openai.api_server",
+        description=(__doc__ or "").strip().splitlines()[0],
+    )
     add_arguments(parser)
     args = parser.parse_args(argv)
     from verispec.cli import call

@@ -159,11 +159,15 @@ class RequestPlan:
 def plan(req: _Common, prompt_len: int, max_model_len: int, default_k: int) -> RequestPlan:
     """Turn a parsed request into a validated :class:`RequestPlan`; raises :class:`APIError` (400)."""
     if req.n != 1:
-        raise APIError(400, f"n={req.n} is not supported: verispec returns exactly one choice (n=1)",
-                       param="n")
+        raise APIError(
+            400, f"n={req.n} is not supported: verispec returns exactly one choice (n=1)", param="n"
+        )
     if req.presence_penalty or req.frequency_penalty:
-        raise APIError(400, "presence_penalty and frequency_penalty are not supported",
-                       param="presence_penalty" if req.presence_penalty else "frequency_penalty")
+        raise APIError(
+            400,
+            "presence_penalty and frequency_penalty are not supported",
+            param="presence_penalty" if req.presence_penalty else "frequency_penalty",
+        )
     if getattr(req, "logprobs", None) or getattr(req, "top_logprobs", None):
         raise APIError(400, "logprobs are not supported", param="logprobs")
     if getattr(req, "best_of", None) not in (None, 1):
@@ -173,9 +177,13 @@ def plan(req: _Common, prompt_len: int, max_model_len: int, default_k: int) -> R
     if getattr(req, "suffix", None):
         raise APIError(400, "suffix is not supported", param="suffix")
     if prompt_len >= max_model_len:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens, but the prompt "
-                       f"has {prompt_len} tokens (at least one new token must fit).", param="messages",
-                       code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt "
+            f"has {prompt_len} tokens (at least one new token must fit).",
+            param="messages",
+            code="context_length_exceeded",
+        )
     max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
     room = max_model_len - prompt_len
     if max_tokens is None:
@@ -183,10 +191,14 @@ def plan(req: _Common, prompt_len: int, max_model_len: int, default_k: int) -> R
     elif max_tokens < 1:
         raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
     elif max_tokens > room:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, "
-                       f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
-                       f"{max_tokens} for the completion).", param="max_tokens",
-                       code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, "
+            f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+            f"{max_tokens} for the completion).",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
     stop = tuple(req.stop or ())
     if len(stop) > 16:
         raise APIError(400, "at most 16 stop strings are supported", param="stop")
@@ -194,15 +206,23 @@ def plan(req: _Common, prompt_len: int, max_model_len: int, default_k: int) -> R
     k = default_k if spec.num_speculative_tokens is None else spec.num_speculative_tokens
     top_k = None if req.top_k in (None, -1, 0) else req.top_k
     try:
-        sampling = SamplingConfig(temperature=1.0 if req.temperature is None else req.temperature,
-                                  top_k=top_k, top_p=req.top_p)
-        config = GenerationConfig(max_new_tokens=max_tokens, num_speculative_tokens=k if spec.enabled else 0,
-                                  sampling=sampling, seed=req.seed, stop=stop, ignore_eos=req.ignore_eos)
+        sampling = SamplingConfig(
+            temperature=1.0 if req.temperature is None else req.temperature, top_k=top_k, top_p=req.top_p
+        )
+        config = GenerationConfig(
+            max_new_tokens=max_tokens,
+            num_speculative_tokens=k if spec.enabled else 0,
+            sampling=sampling,
+            seed=req.seed,
+            stop=stop,
+            ignore_eos=req.ignore_eos,
+        )
     except ConfigError as exc:
         raise APIError(400, str(exc), param=_param_of(str(exc))) from None
     include_usage = bool((req.stream_options or {}).get("include_usage", False))
-    return RequestPlan(config=config, speculate=spec.enabled and k > 0, stream=req.stream,
-                       include_usage=include_usage)
+    return RequestPlan(
+        config=config, speculate=spec.enabled and k > 0, stream=req.stream, include_usage=include_usage
+    )
 
 
 def _param_of(message: str) -> str | None:
@@ -219,14 +239,24 @@ def new_id(prefix: str) -> str:
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     """The ``usage`` object."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def speculative_stats(stats: dict[str, Any], k: int) -> dict[str, Any]:
     """The acceptance statistics returned in the ``speculative`` field (names as in ``GenerationStats``)."""
-    keys = ("target_calls", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length",
-            "accepted_per_position", "drafted_per_position")
+    keys = (
+        "target_calls",
+        "draft_tokens",
+        "accepted_tokens",
+        "acceptance_rate",
+        "mean_accepted_length",
+        "accepted_per_position",
+        "drafted_per_position",
+    )
     out = {"num_speculative_tokens": k}
     out.update({key: stats[key] for key in keys})
     return out

@@ -111,8 +111,9 @@ class BatchPolicy:
 class Scheduler:
     """Owns the engine thread and the batch slots."""
 
-    def __init__(self, engine: Engine, max_num_seqs: int, metrics: ServerMetrics,
-                 policy: BatchPolicy | None = None):
+    def __init__(
+        self, engine: Engine, max_num_seqs: int, metrics: ServerMetrics, policy: BatchPolicy | None = None
+    ):
         self.engine = engine
         self.max_num_seqs = max_num_seqs
         self.metrics = metrics
@@ -285,8 +286,12 @@ class Scheduler:
                     m.accepted_at(i, count - before)
         if stats.new_tokens > new:
             m.generation_tokens.inc(stats.new_tokens - new)
-        req.seen = (stats.draft_tokens, stats.accepted_tokens, list(stats.accepted_per_position),
-                    stats.new_tokens)
+        req.seen = (
+            stats.draft_tokens,
+            stats.accepted_tokens,
+            list(stats.accepted_per_position),
+            stats.new_tokens,
+        )
         if ev.token_ids:
             if req.first_token_at is None:
                 req.first_token_at = now
@@ -297,14 +302,28 @@ class Scheduler:
         if not req.stream and not seq.finished:
             return
         final = seq.stats.to_dict() if seq.finished else None
-        self._send(req, Update(text=seq.text, completion_tokens=len(seq.output_ids),
-                               finish_reason=seq.finish_reason, stats=final))
+        self._send(
+            req,
+            Update(
+                text=seq.text,
+                completion_tokens=len(seq.output_ids),
+                finish_reason=seq.finish_reason,
+                stats=final,
+            ),
+        )
 
     def _fail(self, req: ServerRequest, message: str) -> None:
         with self._cond:
             self._retire(req, "error")
-        self._send(req, Update(text=req.seq.text, completion_tokens=len(req.seq.output_ids),
-                               finish_reason="error", error=message))
+        self._send(
+            req,
+            Update(
+                text=req.seq.text,
+                completion_tokens=len(req.seq.output_ids),
+                finish_reason="error",
+                error=message,
+            ),
+        )
 
     def _retire(self, req: ServerRequest, reason: str) -> None:
         """Remove a running request and free its slot (caller holds the condition)."""
@@ -327,4 +346,3 @@ class Scheduler:
 def _describe(exc: BaseException) -> str:
     text = str(exc).splitlines()[0] if str(exc) else ""
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
