@@ -16,7 +16,9 @@ import torch
 
 import verispec
 import verispec.engine
+from verispec.proposers import Proposal, expected_acceptance
 from verispec.rejection import Verdict, inverse_cdf, uniforms
+from verispec.sampling import logits_to_probs
 
 V = 4
 N = 20_000
@@ -145,6 +147,68 @@ def test_broken_residual_is_detected(monkeypatch):
     law = exact_law(TARGET, 0, temperature=1.0, top_k=None, top_p=None)
     counts = empirical_law(1.0, None, None)
     assert max_z(counts, law) > SIGMAS
+
+
+class EstimatingDraft:
+    """The bigram draft as a proposer that also reports each token's chance of acceptance, so the
+    engine cuts drafts to the length worth their cost (as it does for the EAGLE head):
+    ``estimate(draft_probs [B, V], tokens [B]) -> [B]``."""
+
+    def __init__(self, table: np.ndarray, estimate):
+        self.table = torch.tensor(table)
+        self.estimate = estimate
+
+    def start(self, slot, tokens) -> None:
+        pass
+
+    def propose(self, slots, committed, num_tokens, params, generators) -> Proposal:
+        k = int(num_tokens.max())
+        prev = torch.tensor([c[-1] for c in committed])  # [B]
+        tokens, probs, accept = [], [], []
+        for _ in range(k):
+            q = logits_to_probs(self.table[prev], params)  # [B, V]
+            tok = inverse_cdf(q, uniforms(generators, 1, q.dtype)[:, 0])
+            tokens.append(tok)
+            probs.append(q)
+            accept.append(self.estimate(q, tok))
+            prev = tok
+        return Proposal(
+            tokens=torch.stack(tokens, dim=1),
+            probs=torch.stack(probs, dim=1),
+            num_draft=num_tokens.clone(),
+            accept_probs=torch.stack(accept, dim=1).float(),
+        )
+
+
+@pytest.mark.parametrize(
+    ("estimate", "lossless"),
+    [
+        pytest.param(lambda q, tok: expected_acceptance(q), True, id="expected-acceptance"),
+        pytest.param(lambda q, tok: q.gather(1, tok[:, None])[:, 0], False, id="drawn-token-probability"),
+    ],
+)
+def test_drafts_cut_by_their_estimates_keep_the_law(monkeypatch, estimate, lossless):
+    """Cutting a sampled draft by an estimate that depends on the drawn token breaks losslessness
+    (a token verified only when the draft liked it is emitted too often); the estimate drafters
+    report must not. A steep cost curve makes the cuts frequent."""
+    monkeypatch.setattr(
+        verispec.engine, "prior_ratios", lambda widths: [1.0 + 0.3 * w for w in range(widths)]
+    )
+    law = exact_law(TARGET, 0, temperature=1.0, top_k=None, top_p=None)
+    results = verispec.speculative_generate(
+        Bigram(TARGET),
+        EstimatingDraft(DRAFT, estimate),
+        torch.zeros(N, 1, dtype=torch.int64),
+        max_new_tokens=STEPS,
+        num_speculative_tokens=2,
+        temperature=1.0,
+        seed=0,
+    )
+    counts: dict[tuple[int, ...], int] = {}
+    for r in results:
+        counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
+    assert sum(r.stats.draft_tokens for r in results) > N // 2  # drafts were verified, and cut
+    assert (max_z(counts, law) < SIGMAS) == lossless
 
 
 def test_seed_reproduces_a_sampled_response():

@@ -79,6 +79,20 @@ def draw(
     return inverse_cdf(probs, uniforms(generators, 1, probs.dtype)[:, 0].to(probs.device)), probs
 
 
+def expected_acceptance(probs: torch.Tensor) -> torch.Tensor:
+    """A sampled draft token's chance of acceptance as its drafter may report it: ``[B, V]`` draft
+    distributions -> ``[B]`` ``sum_x q(x)^2``, the mean of ``q(x)`` over the tokens ``x ~ q``.
+
+    Why not ``q(x)`` of the token drawn: the engine verifies a token only where its estimate makes it
+    worth the cost (``Proposal.accept_probs``), and rejection sampling is exact only for a token
+    verified whatever it turned out to be. Verifying ``x`` only when ``q(x)`` is high emits the
+    draft's likely tokens too often (tested in ``test_exactness.py``). An estimate from the
+    distribution alone (known before the draw) keeps the choice independent of the token. Greedy
+    drafts may use ``q(x)``: there the token is a function of the distribution.
+    """
+    return (probs * probs).sum(dim=-1)
+
+
 def _empty(batch: int) -> Proposal:
     return Proposal(
         tokens=torch.zeros(batch, 0, dtype=torch.int64),

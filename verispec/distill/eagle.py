@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from verispec.config import ConfigError
 from verispec.distill.model import DraftKV, DraftLM
 from verispec.models.threads import torch_threads
-from verispec.proposers import Proposal, _empty, draw
+from verispec.proposers import Proposal, _empty, draw, expected_acceptance
 from verispec.sampling import SamplingTensors
 
 STOP_REACH = 0.05
@@ -68,7 +68,10 @@ class EagleProposer:
     cost, and drafting stops early where the running product of these probabilities falls below
     :data:`STOP_REACH`. On Spec-Bench questions 6-8 of each category (greedy, k = 4, 2234 drafted
     tokens whose predecessors were accepted), tokens the head gave 0.1-0.2 were accepted 17% of the
-    time, 0.3-0.4 44%, 0.5-0.6 64%, 0.7-0.8 77%, 0.9-1.0 91%."""
+    time, 0.3-0.4 44%, 0.5-0.6 64%, 0.7-0.8 77%, 0.9-1.0 91%. Sampled drafts carry the mean of that
+    probability over the head's distribution instead (:func:`~verispec.proposers.expected_acceptance`):
+    a sampled token must be verified or not whatever it turned out to be, or the output would not
+    follow the target's law."""
 
     def __init__(self, target, draft: DraftKV, max_batch_size: int = 1):
         if not (hasattr(target, "record_hidden") and hasattr(target, "hidden_by_row")):
@@ -190,7 +193,8 @@ class EagleProposer:
                 tok, probs = draw(logits, params, generators)
                 assert probs is not None
                 probs_out.append(probs)
-                accept[:, i] = probs.gather(1, tok[:, None])[:, 0].cpu()
+                # Not the drawn token's own probability: see expected_acceptance.
+                accept[:, i] = expected_acceptance(probs).cpu()
             tokens[:, i] = tok.cpu()
             reach = reach * accept[:, i]
             # A row stops where its next token would be reached too rarely to pay for drafting it.
