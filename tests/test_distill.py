@@ -236,6 +236,40 @@ def test_eagle_proposals_carry_the_heads_confidence_and_stop_early():
     assert int(short.tokens[0, 0]) == int(full.tokens[0, 0])
 
 
+def test_eagle_sampled_estimates_do_not_depend_on_the_drawn_token():
+    """Sampled drafts report sum q^2 of the head's distribution (see expected_acceptance), the same
+    whichever token the draw gave; greedy drafts carry the head's next candidates as alternatives."""
+    from verispec.config import SamplingConfig
+    from verispec.distill.eagle import EagleProposer
+    from verispec.proposers import expected_acceptance
+    from verispec.sampling import SamplingTensors, logits_to_probs
+
+    _, target = _fast_target()
+    _, draft = _eagle(target)
+    proposer = EagleProposer(target, draft, max_batch_size=2)
+    proposer.stop_reach = 0.0
+    prompt = [3, 14, 15, 9, 26, 5, 35, 8]
+    target.reset(1)
+    target.forward(torch.tensor([prompt[:-1]]), rows=[0], logits="none")
+    proposer.start(0, prompt)
+    params = SamplingTensors.from_configs([SamplingConfig(temperature=1.5)])
+    seen = set()
+    for seed in range(12):
+        gen = torch.Generator().manual_seed(seed)
+        out = proposer.propose([0], [prompt], torch.tensor([1]), params, [gen])
+        want = expected_acceptance(logits_to_probs(draft.logits(proposer._feature[0][None]), params))
+        torch.testing.assert_close(out.accept_probs[:, 0], want.float())
+        assert out.alternatives is None
+        seen.add(int(out.tokens[0, 0]))
+    assert len(seen) > 1  # different draws, one estimate
+    greedy = proposer.propose([0], [prompt], torch.tensor([2]), _greedy_params(), [None])
+    head = torch.softmax(draft.logits(proposer._feature[0][None]), dim=-1)[0]
+    order = torch.argsort(head, descending=True)[:4]
+    assert int(greedy.tokens[0, 0]) == int(order[0])
+    assert greedy.alternatives[0, 0].tolist() == order[1:].tolist()
+    torch.testing.assert_close(greedy.alternative_probs[0, 0], head[order[1:]])
+
+
 def _greedy_params():
     from verispec.config import SamplingConfig
     from verispec.sampling import SamplingTensors
