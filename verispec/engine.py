@@ -272,19 +272,21 @@ class Engine:
         (speculation off, or capped by a batch policy) starts its drafter here.
         """
         assert self.proposer is not None
-        rows = [i for i in range(len(seqs)) if int(ks[i]) > 0]
+        rows = [i for i, k in enumerate(ks.tolist()) if k > 0]
         for i in rows:
             if not seqs[i].drafting:
                 self.proposer.start(seqs[i].slot, seqs[i].tokens)
                 seqs[i].drafting = True
+        every = len(rows) == len(seqs)  # the common case: no subsets to build
+        sub_ks = ks if every else ks[rows]
         sub = self.proposer.propose(
             [seqs[i].slot for i in rows],
             [seqs[i].tokens for i in rows],
-            ks[rows],
-            params.select(rows),
+            sub_ks,
+            params if every else params.select(rows),
             [seqs[i].generator for i in rows],
         )
-        sub_num = torch.minimum(sub.num_draft, ks[rows])
+        sub_num = torch.minimum(sub.num_draft, sub_ks)
         for i in rows:
             seqs[i].cut_by_cost = sub.accept_probs is not None
         sub_tree = None
