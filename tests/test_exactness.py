@@ -152,7 +152,7 @@ def test_broken_residual_is_detected(monkeypatch):
 class EstimatingDraft:
     """The bigram draft as a proposer that also reports each token's chance of acceptance, so the
     engine cuts drafts to the length worth their cost (as it does for the EAGLE head):
-    ``estimate(draft_probs [B, V], tokens [B]) -> [B]``."""
+    ``estimate(draft_probs [B, V], previous_tokens [B], tokens [B]) -> [B]``."""
 
     def __init__(self, table: np.ndarray, estimate):
         self.table = torch.tensor(table)
@@ -170,7 +170,7 @@ class EstimatingDraft:
             tok = inverse_cdf(q, uniforms(generators, 1, q.dtype)[:, 0])
             tokens.append(tok)
             probs.append(q)
-            accept.append(self.estimate(q, tok))
+            accept.append(self.estimate(q, prev, tok))
             prev = tok
         return Proposal(
             tokens=torch.stack(tokens, dim=1),
@@ -183,8 +183,10 @@ class EstimatingDraft:
 @pytest.mark.parametrize(
     ("estimate", "lossless"),
     [
-        pytest.param(lambda q, tok: expected_acceptance(q), True, id="expected-acceptance"),
-        pytest.param(lambda q, tok: q.gather(1, tok[:, None])[:, 0], False, id="drawn-token-probability"),
+        pytest.param(lambda q, prev, tok: expected_acceptance(q), True, id="expected-acceptance"),
+        pytest.param(
+            lambda q, prev, tok: q.gather(1, tok[:, None])[:, 0], False, id="drawn-token-probability"
+        ),
     ],
 )
 def test_drafts_cut_by_their_estimates_keep_the_law(monkeypatch, estimate, lossless):
@@ -209,6 +211,45 @@ def test_drafts_cut_by_their_estimates_keep_the_law(monkeypatch, estimate, lossl
         counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
     assert sum(r.stats.draft_tokens for r in results) > N // 2  # drafts were verified, and cut
     assert (max_z(counts, law) < SIGMAS) == lossless
+
+
+ESTIMATE_AFTER = torch.tensor([0.5, 0.9, 0.05, 0.05])
+
+
+@pytest.mark.parametrize(
+    "lookahead", [pytest.param(False, id="stopping-rule"), pytest.param(True, id="lookahead")]
+)
+def test_sampled_draft_lengths_never_look_at_later_tokens(monkeypatch, lookahead):
+    """A sampled draft's estimate for token i + 1 may depend on token i (the draft's distribution
+    there follows from it; here the estimate is 0.5 after token 0, the prompt, 0.9 after token 1
+    and 0.05 after the others). Choosing the length by looking ahead (one token not worth its cost,
+    two worth it after a 0 or a 1) would verify the first token only when it is 0 or 1, and break
+    the law; the engine cuts sampled drafts by a stopping rule instead, which drafts only where the
+    first token pays by itself (after a 1)."""
+    from verispec.costs import best_draft_length
+
+    monkeypatch.setattr(verispec.engine, "prior_ratios", lambda widths: [1.0] + [1.6] * (widths - 1))
+    if lookahead:  # the engine as it was: every row looks ahead
+        monkeypatch.setattr(
+            verispec.engine,
+            "best_draft_length",
+            lambda accept, costs, lookahead=True: best_draft_length(accept, costs),
+        )
+    law = exact_law(TARGET, 0, temperature=1.0, top_k=None, top_p=None)
+    results = verispec.speculative_generate(
+        Bigram(TARGET),
+        EstimatingDraft(DRAFT, lambda q, prev, tok: ESTIMATE_AFTER[prev]),
+        torch.zeros(N, 1, dtype=torch.int64),
+        max_new_tokens=STEPS,
+        num_speculative_tokens=2,
+        temperature=1.0,
+        seed=0,
+    )
+    counts: dict[tuple[int, ...], int] = {}
+    for r in results:
+        counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
+    assert sum(r.stats.draft_tokens for r in results) > N // 10  # after a 1, one token pays
+    assert (max_z(counts, law) < SIGMAS) != lookahead
 
 
 def test_seed_reproduces_a_sampled_response():

@@ -122,7 +122,10 @@ coding, so the plain figures stay the default (see benchmarks/README.md, session
 
 
 def best_draft_length(
-    accept_probs: Sequence[float], costs: Sequence[float], extra_cost_weight: float = EXTRA_COST_WEIGHT
+    accept_probs: Sequence[float],
+    costs: Sequence[float],
+    extra_cost_weight: float = EXTRA_COST_WEIGHT,
+    lookahead: bool = True,
 ) -> int:
     """The draft length L in 0..len(accept_probs) with the most expected tokens per unit of cost.
 
@@ -132,6 +135,13 @@ def best_draft_length(
     ``1 + sum_{i<L} prod_{j<=i} accept_probs[j]`` tokens for ``costs[L]``; L = 0 (a plain step,
     1 token for 1) wins whenever no draft pays for its verification. Each cost's excess over a plain
     step is weighed by ``extra_cost_weight`` (see :data:`EXTRA_COST_WEIGHT`).
+
+    ``lookahead=False`` makes it a stopping rule: the first length whose next token does not raise
+    the rate, so whether token i is kept depends on the estimates of tokens 0..i only. Sampled
+    drafts need that: a draft model's estimate for token i + 1 depends on which token i it drew,
+    and a token verified or not depending on which token it is breaks rejection sampling's law
+    (``test_sampled_draft_lengths_never_look_at_later_tokens``). Point-mass and greedy drafts are
+    functions of the context, and may look ahead.
     """
     best, best_rate = 0, 1.0 / costs[0]
     tokens, reach = 1.0, 1.0
@@ -141,6 +151,8 @@ def best_draft_length(
         rate = tokens / (1.0 + extra_cost_weight * (costs[length] - 1.0))
         if rate > best_rate:
             best, best_rate = length, rate
+        elif not lookahead:
+            break
     return best
 
 

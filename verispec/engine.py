@@ -298,7 +298,9 @@ class Engine:
         ):
             sub_num, sub_tree = self._worth_verifying_tree([seqs[i] for i in rows], sub, sub_num, len(seqs))
         elif sub.accept_probs is not None:
-            sub_num = self._worth_verifying([seqs[i] for i in rows], sub.accept_probs, sub_num, len(seqs))
+            sub_num = self._worth_verifying(
+                [seqs[i] for i in rows], sub.accept_probs, sub_num, len(seqs), sampled=sub.probs is not None
+            )
         tree = None
         if sub_tree is not None:
             tree = [[] for _ in seqs]
@@ -361,11 +363,18 @@ class Engine:
         return out, tree
 
     def _worth_verifying(
-        self, seqs: list[SequenceState], accept_probs: torch.Tensor, num_draft: torch.Tensor, batch: int
+        self,
+        seqs: list[SequenceState],
+        accept_probs: torch.Tensor,
+        num_draft: torch.Tensor,
+        batch: int,
+        sampled: bool = False,
     ) -> torch.Tensor:
         """Cut each row's draft (``accept_probs`` ``[n, k]``, ``num_draft`` ``[n]``) to the length
         with the most expected tokens per unit of this target's measured step cost; 0 where no draft
-        pays for its verification.
+        pays for its verification. ``sampled``: the drafter drew its tokens (it gave distributions);
+        its sampling rows are then cut by a stopping rule, without looking ahead
+        (:func:`~verispec.costs.best_draft_length`).
 
         A sampled request with a seed is cut by the prior cost curve instead: measured times differ
         from run to run, and a different draft length consumes its random numbers differently, so
@@ -383,7 +392,10 @@ class Engine:
                 if fixed not in curves:
                     width = widest + 1
                     curves[fixed] = prior_ratios(width) if fixed else self.costs.ratios(width, batch)
-                out[row] = best_draft_length(accept_probs[row, :n].tolist(), curves[fixed])
+                lookahead = not (sampled and not seq.config.sampling.greedy)
+                out[row] = best_draft_length(
+                    accept_probs[row, :n].tolist(), curves[fixed], lookahead=lookahead
+                )
         return out
 
     def _commit(
