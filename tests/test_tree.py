@@ -180,3 +180,21 @@ def test_sampled_rows_ignore_alternatives() -> None:
         pass
     stats = seqs[0].stats
     assert stats.new_tokens == 20 and stats.draft_tokens == sum(stats.drafted_per_position)
+
+
+@pytest.mark.skipif(not kernel_available(), reason="bitwise T-independence is the kernel's")
+def test_trees_stop_at_the_end_of_the_context() -> None:
+    """Near the end of the context a step drops alternatives that would not fit, and still emits
+    the plain greedy tokens up to the last position."""
+    hf = tiny_llama(vocab_size=64, seed=0, layers=2, hidden=32, dtype=torch.float32)
+    target = wrap(hf, max_length=21)
+    prompt = list(range(3, 12))  # 9 tokens: 12 more fill the context
+    plain = _plain(target, prompt, 12)
+    engine = Engine(target, NoisyOracle({tuple(prompt): prompt + plain + [0] * 16}, alternatives=True))
+    config = GenerationConfig(
+        max_new_tokens=12, num_speculative_tokens=4, sampling=SamplingConfig(temperature=0), ignore_eos=True
+    )
+    seqs = [engine.new_sequence(prompt, config)]
+    for _ in engine.run(seqs):
+        pass
+    assert seqs[0].output_ids == plain and len(plain) == 12
