@@ -574,6 +574,30 @@ class FastLlamaKernel {
     return dispatch(x.size(0), nullptr, x.data_ptr<float>(), slots, pos, logit_rows, std::nullopt);
   }
 
+  // Row `slot` of every layer's caches: the keys and values at positions src[i] move to dst[i], in
+  // order (src, dst: [n] int64). After a tree forward, an accepted alternative moves into place.
+  void move_positions(int64_t slot, const at::Tensor& src, const at::Tensor& dst) {
+    TORCH_CHECK(!kc_.empty(), "no cache set");
+    for (const auto* t : {&src, &dst})
+      TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1);
+    TORCH_CHECK(src.numel() == dst.numel(), "src and dst differ in length");
+    const int64_t B = kc_[0].size(0), S = kc_[0].size(2), D = D_;
+    TORCH_CHECK(slot >= 0 && slot < B, "row out of range");
+    const int64_t* s = src.data_ptr<int64_t>();
+    const int64_t* d = dst.data_ptr<int64_t>();
+    for (int64_t i = 0; i < src.numel(); ++i)
+      TORCH_CHECK(s[i] >= 0 && s[i] < S && d[i] >= 0 && d[i] < S, "position out of range");
+    for (size_t l = 0; l < kc_.size(); ++l) {
+      for (float* base : {kc_[l].data_ptr<float>(), vc_[l].data_ptr<float>()}) {
+        for (int64_t g = 0; g < Hkv_; ++g) {
+          float* head = base + (slot * Hkv_ + g) * S * D;
+          for (int64_t i = 0; i < src.numel(); ++i)
+            if (s[i] != d[i]) std::memcpy(head + d[i] * D, head + s[i] * D, D * sizeof(float));
+        }
+      }
+    }
+  }
+
   // When on, each forward keeps the final residual stream (before the final norm) of all its
   // tokens, [M, hidden] float32, for drafters that read the target's hidden states (EAGLE).
   void set_keep_hidden(bool on) {
@@ -829,6 +853,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_head", &FastLlamaKernel::set_head)
       .def("set_rope", &FastLlamaKernel::set_rope)
       .def("set_cache", &FastLlamaKernel::set_cache)
+      .def("move_positions", &FastLlamaKernel::move_positions)
       .def("forward", &FastLlamaKernel::forward, pybind11::arg("ids"), pybind11::arg("slots"),
            pybind11::arg("pos"), pybind11::arg("logit_rows"), pybind11::arg("ctx") = std::nullopt,
            pybind11::call_guard<pybind11::gil_scoped_release>())

@@ -492,7 +492,11 @@ class FastLlama:
         ``start + 1``, ...: their keys and values move there, and so do their recorded hidden
         states. The row's length is left alone (``truncate`` follows)."""
         moves = [(start + i, start + p) for i, p in enumerate(picks) if p != i]
-        if moves:
+        if moves and self._kernel is not None:  # one call instead of two indexing ops per layer
+            dst = torch.tensor([d for d, _ in moves])
+            src = torch.tensor([s for _, s in moves])
+            self._kernel.move_positions(row, src, dst)
+        elif moves:
             dst = torch.tensor([d for d, _ in moves], device=self.device)
             src = torch.tensor([s for _, s in moves], device=self.device)
             for cache in (*self.k_cache, *self.v_cache):
