@@ -292,6 +292,7 @@ class Engine:
         sub_tree = None
         if (
             sub.alternatives is not None
+            and sub.alternative_probs is not None
             and sub.accept_probs is not None
             and params.all_greedy
             and getattr(self.target, "supports_tree", False)
@@ -331,18 +332,15 @@ class Engine:
         measured cost (:func:`~verispec.costs.best_tree`); ``num_draft`` ``[n]`` caps the chain, and
         the tree never reaches past the context."""
         assert proposal.accept_probs is not None and proposal.alternatives is not None
-        probs = proposal.alternative_probs
+        assert proposal.alternative_probs is not None
         accept = proposal.accept_probs.tolist()
         alts = proposal.alternatives.tolist()
-        alt_probs = probs.tolist() if probs is not None else None
+        alt_probs = proposal.alternative_probs.tolist()
         per_row = []
-        for row in range(len(seqs)):
-            n = int(num_draft[row])
+        for row, n in enumerate(num_draft.tolist()):
+            # An empty slot (-1) counts as an alternative that never hits: best_tree drops it.
             options = [
-                [
-                    (alt_probs[row][i][s] if alt_probs is not None else 0.0) if t >= 0 else 0.0
-                    for s, t in enumerate(alts[row][i])
-                ]
+                [q if t >= 0 else 0.0 for t, q in zip(alts[row][i], alt_probs[row][i], strict=True)]
                 for i in range(n)
             ]
             per_row.append((n, options))
@@ -353,9 +351,8 @@ class Engine:
         out = num_draft.clone()
         tree = []
         for row, (n, options) in enumerate(per_row):
-            length, picks = best_tree(accept[row][:n], options, curve)
-            out[row] = length
-            tree.append([(i, s) for i, s in picks if options[i][s] > 0.0])
+            out[row], picks = best_tree(accept[row][:n], options, curve)
+            tree.append(picks)
         # Rows share one call of 1 + widest chain + most alternatives tokens: where that would pass
         # the limit (the context, the kernel's bitwise-exact widths), the chains go alone.
         if max(out.tolist(), default=0) + max(map(len, tree), default=0) > nodes:

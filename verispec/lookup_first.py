@@ -77,7 +77,7 @@ class LookupFirst:
 
     def acceptance(self, slot: int) -> list[float]:
         """The draft's estimated conditional acceptance at each position for this slot."""
-        return [self._stats.estimate(slot, i) for i in range(self.draft_tokens)]
+        return self._stats.estimates(slot)[: self.draft_tokens]
 
     def propose(
         self,
@@ -123,7 +123,8 @@ class LookupFirst:
         num = look.num_draft.clone()
         accept = look.accept_probs.clone()
         probs = alts = alt_probs = None
-        if sub.alternatives is not None:  # a greedy tree: lookup's rows have no alternatives
+        if sub.alternatives is not None and sub.alternative_probs is not None:
+            # A greedy tree: lookup's rows have no alternatives.
             alts = torch.full((batch, k, sub.alternatives.shape[-1]), -1, dtype=torch.int64)
             alt_probs = torch.zeros(batch, k, sub.alternatives.shape[-1])
         if sub.probs is not None:  # sampling: lookup's rows are point masses on their tokens
@@ -145,8 +146,7 @@ class LookupFirst:
                 probs[r, :m] = sub.probs[i, :m]
             if alts is not None and alt_probs is not None:
                 alts[r, :m] = sub.alternatives[i, :m]
-                if sub.alternative_probs is not None:
-                    alt_probs[r, :m] = sub.alternative_probs[i, :m]
+                alt_probs[r, :m] = sub.alternative_probs[i, :m]
             self._stats.remember(slots[r], len(committed[r]), range(m), drafted.tolist())
         return Proposal(
             tokens=tokens,
