@@ -491,16 +491,16 @@ class FastLlama:
         at offsets ``picks`` (increasing, each >= its index) become positions ``start``,
         ``start + 1``, ...: their keys and values move there, and so do their recorded hidden
         states. The row's length is left alone (``truncate`` follows)."""
-        moves = [(start + i, start + p) for i, p in enumerate(picks) if p != i]
-        if moves and self._kernel is not None:  # one call instead of two indexing ops per layer
-            dst = torch.tensor([d for d, _ in moves])
-            src = torch.tensor([s for _, s in moves])
-            self._kernel.move_positions(row, src, dst)
-        elif moves:
-            dst = torch.tensor([d for d, _ in moves], device=self.device)
-            src = torch.tensor([s for _, s in moves], device=self.device)
-            for cache in (*self.k_cache, *self.v_cache):
-                cache[row, :, dst] = cache[row, :, src]  # [H_kv, m, D]; the source is read first
+        moved = [i for i, p in enumerate(picks) if p != i]
+        if moved:
+            dst = torch.tensor([start + i for i in moved])
+            src = torch.tensor([start + picks[i] for i in moved])
+            if self._kernel is not None:  # one call instead of two indexing ops per layer
+                self._kernel.move_positions(row, src, dst)
+            else:
+                dst, src = dst.to(self.device), src.to(self.device)
+                for cache in (*self.k_cache, *self.v_cache):
+                    cache[row, :, dst] = cache[row, :, src]  # [H_kv, m, D]; the source is read first
         if self._record_hidden and row in self.hidden_by_row:
             first, hidden = self.hidden_by_row[row]
             take = torch.tensor([start - first + p for p in picks])
