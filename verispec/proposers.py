@@ -247,12 +247,12 @@ class AcceptanceCounts:
         self._last.pop(slot, None)
 
     def estimate(self, slot: int, bucket: int) -> float:
-        counts = self._counts.get(slot)
-        ok, seen = (0.0, 0.0) if counts is None else counts[bucket]
-        return (self.prior[bucket] * self.prior_weight + ok) / (self.prior_weight + seen)
+        """The slot's chance of acceptance in ``bucket`` (see :meth:`estimates`)."""
+        return self.estimates(slot)[bucket]
 
     def estimates(self, slot: int) -> list[float]:
-        """``estimate(slot, b)`` for every bucket ``b``, in one pass of numpy (the same arithmetic)."""
+        """Per bucket, ``(prior * prior_weight + accepted) / (prior_weight + observed)`` for the slot,
+        in one pass of numpy."""
         counts = self._counts.get(slot)
         if counts is None:
             counts = np.zeros((len(self.prior), 2))
