@@ -33,6 +33,7 @@ on the draft's own features with the attention pattern it has at inference (HASS
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -133,14 +134,14 @@ class EagleProposer:
         if k == 0:
             return _empty(batch)
         pending = sum(len(toks) - 1 - self._agreed.get(slot, 0) for slot, toks in zip(slots, committed))
-        small = nullcontext() if self.draft.uses_kernel else torch_threads(1)
-        with small if pending <= 32 else nullcontext():
+        one_thread = nullcontext if self.draft.uses_kernel else functools.partial(torch_threads, 1)
+        with one_thread() if pending <= 32 else nullcontext():
             for slot, toks in zip(slots, committed):
                 if slot not in self._agreed:  # the proposer was resized under this row: start it again
                     self._ensure(slot + 1)
                     self._agreed[slot] = 0
                 self._feed(slot, toks, len(toks) - 1)
-        with nullcontext() if self.draft.uses_kernel else torch_threads(1):
+        with one_thread():
             return self._draft_tokens(slots, num_tokens, params, generators, k)
 
     def observe(self, slots: list[int], committed: list[list[int]]) -> None:

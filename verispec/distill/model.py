@@ -25,6 +25,7 @@ instead of some forty small torch operations. The draft's numerics never affect 
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -154,12 +155,16 @@ class DraftLM(nn.Module):
     def inputs(self, ids: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
         """The first layer's input ``[B, T, hidden]``: the embeddings of ``ids`` ``[B, T]``, or with
         ``cfg.features`` ``fc([embed(ids); features])`` (``features`` ``[B, T, hidden]``)."""
-        x = F.embedding(ids, self.embed)  # [B, T, hidden]
         if self.fc is None:
-            return x
+            return F.embedding(ids, self.embed)  # [B, T, hidden]
+        return self.fc(self.pairs(ids, features))
+
+    def pairs(self, ids: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
+        """What EAGLE's ``fc`` reads: ``[embed(ids); features]`` ``[B, T, 2 hidden]``."""
         if features is None:
             raise ValueError("this draft reads the target's features: pass them with the token ids")
-        return self.fc(torch.cat([x, features.to(x.dtype)], dim=-1))
+        x = F.embedding(ids, self.embed)  # [B, T, hidden]
+        return torch.cat([x, features.to(x.dtype)], dim=-1)
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and head: ``[..., hidden]`` features -> ``[..., draft_vocab]`` logits."""
@@ -264,12 +269,9 @@ class DraftKV:
         if self._kernel is not None and model.fc is not None:
             self._fc = model.fc.weight.detach().float().to(KERNEL_DTYPE).contiguous()
             self._kernel_weights.insert(0, self._fc)  # counted by memory_bytes; the head stays last
-        self._threads = ThreadTuner()
-        """Thread count of the kernel's layer calls, from measured times (as the target's)."""
-        self._head_threads = ThreadTuner()
-        """The same for the head's scores (another cost scale)."""
-        self._fc_threads = ThreadTuner()
-        """And for EAGLE's ``fc``."""
+        self._tuners: defaultdict[str, ThreadTuner] = defaultdict(ThreadTuner)
+        """Thread count of the kernel's calls from measured times (as the target's), one tuner per
+        kind of call ("layers", "head", "fc"): their costs are on different scales."""
         self.reset(max_batch_size)
 
     @property
@@ -368,16 +370,16 @@ class DraftKV:
         """The forward on the kernel: first-layer inputs ``[n, T, hidden]`` from torch (embeddings,
         EAGLE's ``fc``), then one call for the layers and the head."""
         n, t = ids.shape
-        if self._fc is not None and features is not None:
-            embed = F.embedding(ids, self.model.embed)  # [n, T, hidden]
-            pair = torch.cat([embed, features.to(embed.dtype)], dim=-1).float()  # [n, T, 2 hidden]
-            pair = pair.reshape(n * t, -1).contiguous()
-            x = self._fc_threads.run(lambda: self._kernel.linear(pair, self._fc, None, None), tokens=n * t)
+        if self._fc is not None:
+            pair = self.model.pairs(ids, features).float().reshape(n * t, -1).contiguous()  # [n*T, 2 hidden]
+            x = self._tuners["fc"].run(lambda: self._kernel.linear(pair, self._fc, None, None), tokens=n * t)
         else:
             x = self.model.inputs(ids, features).float().reshape(n * t, -1).contiguous()  # [n*T, hidden]
         wanted = logit_rows(n, t, logits)
         slots, flat = idx.repeat_interleave(t), pos.reshape(-1)
-        scores = self._threads.run(lambda: self._kernel.forward_hidden(x, slots, flat, wanted), tokens=n * t)
+        scores = self._tuners["layers"].run(
+            lambda: self._kernel.forward_hidden(x, slots, flat, wanted), tokens=n * t
+        )
         self._lengths[idx] = starts + t
         self.last_features = self._kernel.last_hidden().view(n, t, -1)
         if logits == "none":
@@ -400,7 +402,7 @@ class DraftKV:
             lead = features.shape[:-1]
             normed = m._norm(features.float(), m.norm.float()).reshape(-1, m.cfg.hidden_size).contiguous()
             head = self._kernel_weights[-1]  # [draft_vocab, hidden], KERNEL_DTYPE
-            scores = self._head_threads.run(lambda: self._kernel.linear(normed, head, None, None))
+            scores = self._tuners["head"].run(lambda: self._kernel.linear(normed, head, None, None))
             return scores.view(*lead, -1)
         return m.scores(features).float()  # [..., draft_vocab]
 
