@@ -72,12 +72,13 @@ TARGET = np.array(
 DRAFT = np.array([[-1.0, 1.5, 0.5, 0.0], [1.2, -0.4, 0.6, 0.1], [0.0, 0.9, -0.5, 1.0], [1.3, 0.2, 0.2, -0.8]])
 
 
-def empirical_law(temperature, top_k, top_p, k=2, seed=0):
-    prompts = torch.zeros(N, 1, dtype=torch.int64)
+def first_tokens(draft, temperature=1.0, top_k=None, top_p=None, k=2, seed=0):
+    """N sequences of STEPS tokens after the prompt [0] through the engine with ``draft``:
+    ``(counts of each continuation, draft tokens verified in all)``."""
     results = verispec.speculative_generate(
         Bigram(TARGET),
-        Bigram(DRAFT),
-        prompts,
+        draft,
+        torch.zeros(N, 1, dtype=torch.int64),
         max_new_tokens=STEPS,
         num_speculative_tokens=k,
         temperature=temperature,
@@ -90,7 +91,11 @@ def empirical_law(temperature, top_k, top_p, k=2, seed=0):
         assert len(r.token_ids) == STEPS
         key = tuple(r.token_ids)
         counts[key] = counts.get(key, 0) + 1
-    return counts
+    return counts, sum(r.stats.draft_tokens for r in results)
+
+
+def empirical_law(temperature, top_k, top_p, k=2, seed=0):
+    return first_tokens(Bigram(DRAFT), temperature, top_k, top_p, k=k, seed=seed)[0]
 
 
 def max_z(counts, law) -> float:
@@ -197,19 +202,8 @@ def test_drafts_cut_by_their_estimates_keep_the_law(monkeypatch, estimate, lossl
         verispec.engine, "prior_ratios", lambda widths: [1.0 + 0.3 * w for w in range(widths)]
     )
     law = exact_law(TARGET, 0, temperature=1.0, top_k=None, top_p=None)
-    results = verispec.speculative_generate(
-        Bigram(TARGET),
-        EstimatingDraft(DRAFT, estimate),
-        torch.zeros(N, 1, dtype=torch.int64),
-        max_new_tokens=STEPS,
-        num_speculative_tokens=2,
-        temperature=1.0,
-        seed=0,
-    )
-    counts: dict[tuple[int, ...], int] = {}
-    for r in results:
-        counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
-    assert sum(r.stats.draft_tokens for r in results) > N // 2  # drafts were verified, and cut
+    counts, drafted = first_tokens(EstimatingDraft(DRAFT, estimate))
+    assert drafted > N // 2  # drafts were verified, and cut
     assert (max_z(counts, law) < SIGMAS) == lossless
 
 
@@ -236,19 +230,8 @@ def test_sampled_draft_lengths_never_look_at_later_tokens(monkeypatch, lookahead
             lambda accept, costs, lookahead=True: best_draft_length(accept, costs),
         )
     law = exact_law(TARGET, 0, temperature=1.0, top_k=None, top_p=None)
-    results = verispec.speculative_generate(
-        Bigram(TARGET),
-        EstimatingDraft(DRAFT, lambda q, prev, tok: ESTIMATE_AFTER[prev]),
-        torch.zeros(N, 1, dtype=torch.int64),
-        max_new_tokens=STEPS,
-        num_speculative_tokens=2,
-        temperature=1.0,
-        seed=0,
-    )
-    counts: dict[tuple[int, ...], int] = {}
-    for r in results:
-        counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
-    assert sum(r.stats.draft_tokens for r in results) > N // 10  # after a 1, one token pays
+    counts, drafted = first_tokens(EstimatingDraft(DRAFT, lambda q, prev, tok: ESTIMATE_AFTER[prev]))
+    assert drafted > N // 10  # after a 1, one token pays
     assert (max_z(counts, law) < SIGMAS) != lookahead
 
 
