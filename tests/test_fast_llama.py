@@ -53,9 +53,9 @@ def _qwen2() -> Qwen2ForCausalLM:
     return Qwen2ForCausalLM(Qwen2Config(**SIZES, tie_word_embeddings=False)).eval()
 
 
-def _mistral() -> MistralForCausalLM:
+def _mistral(**extra: object) -> MistralForCausalLM:
     torch.manual_seed(2)
-    return MistralForCausalLM(MistralConfig(**SIZES, sliding_window=64)).eval()
+    return MistralForCausalLM(MistralConfig(**{**SIZES, "sliding_window": 64, **extra})).eval()
 
 
 def _llama3_rope() -> LlamaForCausalLM:
@@ -220,25 +220,38 @@ def test_record_hidden_gives_hf_last_hidden_states(use_kernel: bool) -> None:
 
 @requires_kernel
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
-def test_kernel_logits_are_bitwise_independent_of_tokens_per_call(dtype: str) -> None:
-    """Plain greedy (T=1 steps) and verification (T=5 steps) must see identical logits."""
-    hf = _mistral()
-    ids = torch.randint(0, VOCAB, (2, 25), generator=torch.Generator().manual_seed(8))
+@pytest.mark.parametrize("shape", ["small", "wide"])
+def test_kernel_logits_are_bitwise_independent_of_tokens_per_call(dtype: str, shape: str) -> None:
+    """Plain greedy (T=1 steps) and verification (T=5 steps) must see identical logits.
+
+    "wide": head_dim 76 (a 64-column block, an 8-column block and a scalar tail in every attention
+    sum) after a context of 150 (several 64-key blocks, keys scored 8, 4 and 1 at a time)."""
+    hf = (
+        _mistral()
+        if shape == "small"
+        else _mistral(head_dim=76, max_position_embeddings=256, sliding_window=256)
+    )
+    start = 5 if shape == "small" else 150
+    ids = torch.randint(0, VOCAB, (2, start + 20), generator=torch.Generator().manual_seed(8))
     fast = FastLlama.from_hf(hf, dtype=dtype, max_batch_size=2, use_kernel=True)
-    fast.forward(ids[:, :5], logits="none")
-    one_at_a_time = torch.cat([fast.forward(ids[:, t : t + 1]) for t in range(5, 25)], dim=1)
+    fast.forward(ids[:, :start], logits="none")
+    one_at_a_time = torch.cat([fast.forward(ids[:, t : t + 1]) for t in range(start, start + 20)], dim=1)
+    if dtype == "float32":  # the arithmetic reordered for speed is still attention
+        _close(one_at_a_time, _reference(hf, ids)[:, start:])
     for steps in ((5, 5, 5, 5), (3, 1, 16), (2, 7, 11)):
         fast.reset(2)
-        fast.forward(ids[:, :5], logits="none")
-        pieces, pos = [], 5
+        fast.forward(ids[:, :start], logits="none")
+        pieces, pos = [], start
         for t in steps:
             pieces.append(fast.forward(ids[:, pos : pos + t]))
             pos += t
         assert torch.equal(torch.cat(pieces, dim=1), one_at_a_time), steps
     # Nor does it depend on which other rows share the call.
     fast.reset(2)
-    fast.forward(ids[:, :5], logits="none")
-    alone = torch.cat([fast.forward(ids[1:, t : t + 4], rows=[1]) for t in range(5, 25, 4)], dim=1)
+    fast.forward(ids[:, :start], logits="none")
+    alone = torch.cat(
+        [fast.forward(ids[1:, t : t + 4], rows=[1]) for t in range(start, start + 20, 4)], dim=1
+    )
     assert torch.equal(alone, one_at_a_time[1:])
 
 
