@@ -25,7 +25,13 @@ from transformers import (
 )
 
 from verispec.models.base import KVModel
-from verispec.models.fast_llama import FastLlama, _quantize_rows, kernel_available
+from verispec.models.fast_llama import (
+    FastLlama,
+    _pairs_ok,
+    _plain_rows,
+    _quantize_rows,
+    kernel_available,
+)
 
 HAVE_KERNEL = kernel_available()
 requires_kernel = pytest.mark.skipif(not HAVE_KERNEL, reason="C++ kernel could not be built here")
@@ -506,3 +512,36 @@ def test_tree_forward_scores_each_alternative_as_at_its_chain_position(use_kerne
     same(got1, want[1:, 4:])
     with pytest.raises(ValueError, match="offsets"):
         fast.forward(tree, offsets=torch.tensor([[0, 2, 2, 3, 1, 2]] * 2))
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_pair_interleaved_weights_give_bitwise_the_row_major_logits(
+    dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel's pair-interleaved layer matrices change where weights sit, not the arithmetic:
+    decoding, verification-sized calls and a long prefill (the torch path, which reads the matrices
+    as rows again) give bitwise what row-major matrices give."""
+    hf = _mistral(head_dim=76, max_position_embeddings=256, sliding_window=256)
+    ids = torch.randint(0, VOCAB, (2, 140), generator=torch.Generator().manual_seed(4))
+
+    def run() -> tuple[torch.Tensor, dict]:
+        fast = FastLlama.from_hf(hf, dtype=dtype, max_batch_size=2, use_kernel=True)
+        fast.kernel_prefill_max = {dtype: 16}  # the 120-token prefill takes the torch path
+        out = [fast.forward(ids[:, :120])]
+        out += [fast.forward(ids[:, t : t + 5]) for t in (120, 125)]
+        out += [fast.forward(ids[:, t : t + 1]) for t in range(130, 140)]
+        return torch.cat(out, dim=1), fast._w
+
+    monkeypatch.setattr(FastLlama, "pair_weights", False)
+    rows, plain = run()
+    monkeypatch.setattr(FastLlama, "pair_weights", True)
+    paired, w = run()
+    assert w.get("paired") and not plain.get("paired")
+    layer = w["layers"][0]
+    moved = [key for key in ("wqkv", "wo", "wgu", "wdown") if _pairs_ok(layer[key])]
+    assert "wqkv" in moved and "wdown" not in moved  # K = 100 has no whole chunks: left as rows
+    for key in moved:
+        assert not torch.equal(layer[key], plain["layers"][0][key])
+        assert torch.equal(_plain_rows(layer[key]), plain["layers"][0][key])
+    assert torch.equal(paired, rows)

@@ -72,6 +72,21 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// Pair-interleaved weights: rows 2p and 2p + 1 alternate in chunks of kPairChunk weights (one
+// load's worth: 8 float32 or bfloat16, 16 int8), [N / 2][K / C][2][C], so that the tile of a pair
+// reads one contiguous stream. Row-major tiles of 4 rows read 4 streams at once, and one core then
+// streamed 18-23 GB/s where its sum over the same bytes read 27-30 (float32, 1 input row, 2-core
+// EPYC); pairs read 27-29 (one thread) and 31-34 GB/s (two, against 28). Only the arrangement of
+// the weights changes: every output is the same arithmetic, bitwise.
+template <typename WT>
+constexpr int64_t kPairChunk = std::is_same_v<WT, i8> ? 16 : 8;
+
+// Whether an [n, k] weight of this type can be pair-interleaved: whole pairs and whole chunks (no
+// scalar tail). FastLlama applies the same rule when it rearranges the weights.
+inline bool paired_ok(at::ScalarType t, int64_t n, int64_t k) {
+  return n % 2 == 0 && k % (t == at::kChar ? 16 : 8) == 0;
+}
+
 // y[i, j] (+)= bias[j] + dot(x[i, :K], w[j, :K]) * scale[j] for an MR x NR tile (no scale when
 // `scale` is null: float32 and bf16 weights).
 // Each element has one accumulator chain over K in steps of 8, then hsum, then the scalar tail,
@@ -83,9 +98,14 @@ inline float hsum(__m256 v) {
 // float32, min of 13 interleaved rounds), prefetching into L1 at every 32 bytes cost 25.6 / 29.1 ms
 // for 1 / 5 input rows, into L2 once per line 19.0 / 19.6 ms, as fast as torch's own sum over the
 // same bytes (19.7 ms): the L1 hint evicted the block being computed on and doubled the prefetches.
+//
+// Weight element (j, k) of the tile is at w[j * rs + k * kp] for k a multiple of 8: rs = K, kp = 1
+// for row-major weights; rs = 8, kp = 2 for pair-interleaved ones (`kPairChunk`), where a tile is one
+// pair of rows, a single stream that needs no software prefetch for one or two input rows.
 template <int MR, int NR, typename WT>
-inline void tile(const float* x, int64_t ldx, const WT* w, int64_t K, const float* scale,
-                 const float* bias, float* y, int64_t ldy, bool accumulate, int64_t pf) {
+inline void tile(const float* x, int64_t ldx, const WT* w, int64_t K, int64_t rs, int64_t kp,
+                 const float* scale, const float* bias, float* y, int64_t ldy, bool accumulate,
+                 int64_t pf) {
   constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(WT));  // weights per cache line
   __m256 acc[MR][NR];
 #pragma GCC unroll 8
@@ -96,11 +116,11 @@ inline void tile(const float* x, int64_t ldx, const WT* w, int64_t K, const floa
   for (; k + 8 <= K; k += 8) {
     __m256 wv[NR];
 #pragma GCC unroll 4
-    for (int j = 0; j < NR; ++j) wv[j] = load8(w + j * K + k);
-    if (pf != 0 && k % kLine == 0) {
+    for (int j = 0; j < NR; ++j) wv[j] = load8(w + j * rs + k * kp);
+    if (pf != 0 && (k * kp) % kLine == 0) {  // one prefetch per line of each stream
 #pragma GCC unroll 4
-      for (int j = 0; j < NR; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(w + j * K + k + pf), _MM_HINT_T1);
+      for (int j = 0; j < (kp == 1 ? NR : 1); ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(w + j * rs + k * kp + pf), _MM_HINT_T1);
     }
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
@@ -112,7 +132,7 @@ inline void tile(const float* x, int64_t ldx, const WT* w, int64_t K, const floa
   for (int i = 0; i < MR; ++i) {
     for (int j = 0; j < NR; ++j) {
       float s = hsum(acc[i][j]);
-      for (int64_t kk = k; kk < K; ++kk) s += x[i * ldx + kk] * to_f32(w[j * K + kk]);
+      for (int64_t kk = k; kk < K; ++kk) s += x[i * ldx + kk] * to_f32(w[j * K + kk]);  // kp == 1 only
       if (scale != nullptr) s *= scale[j];
       if (bias != nullptr) s += bias[j];
       float* out = y + i * ldy + j;
@@ -149,10 +169,11 @@ constexpr int64_t kIntChunk = 4096;
 
 // The int8 x int16 form of `tile`: x is [MR, K] int16 with one scale per row (xs), w [NR, K] int8
 // with one scale per row (scale).
+// Strides rs and kp as in `tile` (pair-interleaved int8: rs = 16, kp = 2).
 template <int MR, int NR>
 inline void tile_q(const int16_t* x, int64_t ldx, const float* xs, const i8* w, int64_t K,
-                   const float* scale, const float* bias, float* y, int64_t ldy, bool accumulate,
-                   int64_t pf) {
+                   int64_t rs, int64_t kp, const float* scale, const float* bias, float* y,
+                   int64_t ldy, bool accumulate, int64_t pf) {
   int64_t total[MR][NR] = {};
   const int64_t kv = K - K % 16;
   for (int64_t c0 = 0; c0 < kv; c0 += kIntChunk) {
@@ -165,11 +186,11 @@ inline void tile_q(const int16_t* x, int64_t ldx, const float* xs, const i8* w, 
     for (int64_t k = c0; k < c1; k += 16) {
       __m256i wv[NR];
 #pragma GCC unroll 4
-      for (int j = 0; j < NR; ++j) wv[j] = load16(w + j * K + k);
-      if (pf != 0 && k % 64 == 0) {
+      for (int j = 0; j < NR; ++j) wv[j] = load16(w + j * rs + k * kp);
+      if (pf != 0 && (k * kp) % 64 == 0) {
 #pragma GCC unroll 4
-        for (int j = 0; j < NR; ++j)
-          _mm_prefetch(reinterpret_cast<const char*>(w + j * K + k + pf), _MM_HINT_T1);
+        for (int j = 0; j < (kp == 1 ? NR : 1); ++j)
+          _mm_prefetch(reinterpret_cast<const char*>(w + j * rs + k * kp + pf), _MM_HINT_T1);
       }
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
@@ -184,7 +205,7 @@ inline void tile_q(const int16_t* x, int64_t ldx, const float* xs, const i8* w, 
   for (int i = 0; i < MR; ++i) {
     for (int j = 0; j < NR; ++j) {
       int64_t t = total[i][j];
-      for (int64_t kk = kv; kk < K; ++kk) t += int32_t(x[i * ldx + kk]) * int32_t(w[j * K + kk]);
+      for (int64_t kk = kv; kk < K; ++kk) t += int32_t(x[i * ldx + kk]) * int32_t(w[j * K + kk]);  // kp == 1
       float s = static_cast<float>(static_cast<double>(t) * xs[i] * scale[j]);
       if (bias != nullptr) s += bias[j];
       float* out = y + i * ldy + j;
@@ -196,27 +217,33 @@ inline void tile_q(const int16_t* x, int64_t ldx, const float* xs, const i8* w, 
 template <int MR>
 inline void tile_rows_q(const int16_t* x, int64_t ldx, const float* xs, const i8* w, int64_t K,
                         int64_t nr, const float* scale, const float* bias, float* y, int64_t ldy,
-                        bool acc, int64_t pf) {
-  constexpr int NR = MR >= 3 ? 2 : 4;
+                        bool acc, int64_t pf, bool paired) {
   int64_t j = 0;
+  if (paired) {  // pair p starts where row 2p would (p * 2K)
+    for (; j + 2 <= nr; j += 2)
+      tile_q<MR, 2>(x, ldx, xs, w + j * K, K, kPairChunk<i8>, 2, scale + j,
+                    bias ? bias + j : nullptr, y + j, ldy, acc, pf);
+    return;
+  }
+  constexpr int NR = MR >= 3 ? 2 : 4;
   for (; j + NR <= nr; j += NR)
-    tile_q<MR, NR>(x, ldx, xs, w + j * K, K, scale + j, bias ? bias + j : nullptr, y + j, ldy, acc,
-                   pf);
+    tile_q<MR, NR>(x, ldx, xs, w + j * K, K, K, 1, scale + j, bias ? bias + j : nullptr, y + j, ldy,
+                   acc, pf);
   for (; j < nr; ++j)
-    tile_q<MR, 1>(x, ldx, xs, w + j * K, K, scale + j, bias ? bias + j : nullptr, y + j, ldy, acc,
-                  pf);
+    tile_q<MR, 1>(x, ldx, xs, w + j * K, K, K, 1, scale + j, bias ? bias + j : nullptr, y + j, ldy,
+                  acc, pf);
 }
 
 inline void tile_any_q(int64_t mr, const int16_t* x, int64_t ldx, const float* xs, const i8* w,
                        int64_t K, int64_t nr, const float* scale, const float* bias, float* y,
-                       int64_t ldy, bool acc, int64_t pf) {
+                       int64_t ldy, bool acc, int64_t pf, bool paired) {
   switch (mr) {
-    case 1: return tile_rows_q<1>(x, ldx, xs, w, K, nr, scale, bias, y, ldy, acc, pf);
-    case 2: return tile_rows_q<2>(x, ldx, xs, w, K, nr, scale, bias, y, ldy, acc, pf);
-    case 3: return tile_rows_q<3>(x, ldx, xs, w, K, nr, scale, bias, y, ldy, acc, pf);
-    case 4: return tile_rows_q<4>(x, ldx, xs, w, K, nr, scale, bias, y, ldy, acc, pf);
-    case 5: return tile_rows_q<5>(x, ldx, xs, w, K, nr, scale, bias, y, ldy, acc, pf);
-    default: return tile_rows_q<6>(x, ldx, xs, w, K, nr, scale, bias, y, ldy, acc, pf);
+    case 1: return tile_rows_q<1>(x, ldx, xs, w, K, nr, scale, bias, y, ldy, acc, pf, paired);
+    case 2: return tile_rows_q<2>(x, ldx, xs, w, K, nr, scale, bias, y, ldy, acc, pf, paired);
+    case 3: return tile_rows_q<3>(x, ldx, xs, w, K, nr, scale, bias, y, ldy, acc, pf, paired);
+    case 4: return tile_rows_q<4>(x, ldx, xs, w, K, nr, scale, bias, y, ldy, acc, pf, paired);
+    case 5: return tile_rows_q<5>(x, ldx, xs, w, K, nr, scale, bias, y, ldy, acc, pf, paired);
+    default: return tile_rows_q<6>(x, ldx, xs, w, K, nr, scale, bias, y, ldy, acc, pf, paired);
   }
 }
 
@@ -323,30 +350,36 @@ inline float softmax_numerators(float* p, int64_t n, float scale) {
 template <int MR, typename WT>
 inline void tile_rows(const float* x, int64_t ldx, const WT* w, int64_t K, int64_t nr,
                       const float* scale, const float* bias, float* y, int64_t ldy, bool acc,
-                      int64_t pf) {
+                      int64_t pf, bool paired) {
+  int64_t j = 0;
+  if (paired) {  // pair p starts where row 2p would (p * 2K)
+    for (; j + 2 <= nr; j += 2)
+      tile<MR, 2>(x, ldx, w + j * K, K, kPairChunk<WT>, 2, scale ? scale + j : nullptr,
+                  bias ? bias + j : nullptr, y + j, ldy, acc, pf);
+    return;
+  }
   // MR x 2 (MR >= 3) or MR x 4 tiles: 6-12 accumulators + weight and input vectors fit in the
   // 16 ymm registers, and there are always >= 4 independent FMA chains.
   constexpr int NR = MR >= 3 ? 2 : 4;
-  int64_t j = 0;
   for (; j + NR <= nr; j += NR)
-    tile<MR, NR>(x, ldx, w + j * K, K, scale ? scale + j : nullptr, bias ? bias + j : nullptr,
+    tile<MR, NR>(x, ldx, w + j * K, K, K, 1, scale ? scale + j : nullptr, bias ? bias + j : nullptr,
                  y + j, ldy, acc, pf);
   for (; j < nr; ++j)
-    tile<MR, 1>(x, ldx, w + j * K, K, scale ? scale + j : nullptr, bias ? bias + j : nullptr,
+    tile<MR, 1>(x, ldx, w + j * K, K, K, 1, scale ? scale + j : nullptr, bias ? bias + j : nullptr,
                 y + j, ldy, acc, pf);
 }
 
 template <typename WT>
 inline void tile_any(int64_t mr, const float* x, int64_t ldx, const WT* w, int64_t K, int64_t nr,
                      const float* scale, const float* bias, float* y, int64_t ldy, bool acc,
-                     int64_t pf) {
+                     int64_t pf, bool paired) {
   switch (mr) {
-    case 1: return tile_rows<1>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf);
-    case 2: return tile_rows<2>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf);
-    case 3: return tile_rows<3>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf);
-    case 4: return tile_rows<4>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf);
-    case 5: return tile_rows<5>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf);
-    default: return tile_rows<6>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf);
+    case 1: return tile_rows<1>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf, paired);
+    case 2: return tile_rows<2>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf, paired);
+    case 3: return tile_rows<3>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf, paired);
+    case 4: return tile_rows<4>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf, paired);
+    case 5: return tile_rows<5>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf, paired);
+    default: return tile_rows<6>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf, paired);
   }
 }
 
@@ -383,10 +416,15 @@ void for_each_pass(int64_t M, int64_t N, const Pass& pass) {
 // y[M, N] (+)= (x[M, K] @ w[N, K]^T) * scale[N] + bias. Threads split the weight rows, so each thread
 // streams its half of the weights once; within a block of 8 weight rows every input row is applied
 // while the block is in L1 (`for_each_pass`).
+//
+// `paired`: w is pair-interleaved (`paired_ok`). Its first pass prefetches only with 3 or more input
+// rows, whose arithmetic would otherwise wait on the loads; with 1 or 2 the hardware prefetcher
+// keeps up with the single stream alone (a software prefetch there cost 10-25% of the bandwidth).
 template <typename WT>
 void linear(const float* x, int64_t M, int64_t ldx, const WT* w, int64_t N, int64_t K,
-            const float* scale, const float* bias, float* y, int64_t ldy, bool accumulate) {
-  constexpr int64_t pf = kPrefetchBytes / static_cast<int64_t>(sizeof(WT));  // in weights
+            const float* scale, const float* bias, float* y, int64_t ldy, bool accumulate,
+            bool paired = false) {
+  const int64_t pf = paired && M <= 2 ? 0 : kPrefetchBytes / static_cast<int64_t>(sizeof(WT));
   if constexpr (std::is_same_v<WT, i8>) {
     thread_local std::vector<int16_t> xq;
     thread_local std::vector<float> xs;
@@ -397,12 +435,13 @@ void linear(const float* x, int64_t M, int64_t ldx, const WT* w, int64_t N, int6
     const float* qs = xs.data();
     for_each_pass(M, N, [&](int64_t m, int64_t mr, int64_t n0, int64_t nr, bool first) {
       tile_any_q(mr, q + m * K, K, qs + m, w + n0 * K, K, nr, scale + n0, bias ? bias + n0 : nullptr,
-                 y + m * ldy + n0, ldy, accumulate, first ? pf : 0);
+                 y + m * ldy + n0, ldy, accumulate, first ? pf : 0, paired);
     });
   } else {
     for_each_pass(M, N, [&](int64_t m, int64_t mr, int64_t n0, int64_t nr, bool first) {
       tile_any(mr, x + m * ldx, ldx, w + n0 * K, K, nr, scale ? scale + n0 : nullptr,
-               bias ? bias + n0 : nullptr, y + m * ldy + n0, ldy, accumulate, first ? pf : 0);
+               bias ? bias + n0 : nullptr, y + m * ldy + n0, ldy, accumulate, first ? pf : 0,
+               paired);
     });
   }
 }
@@ -538,6 +577,7 @@ inline void weighted_rows(const float* p, const float* v, int64_t j0, int64_t j1
 // A weight matrix [N, K] and, for int8, its per-row scales [N] (undefined otherwise).
 struct Mat {
   at::Tensor w, scale;
+  bool paired = false;  // pair-interleaved (kPairChunk)
   const float* sc() const { return scale.defined() ? scale.data_ptr<float>() : nullptr; }
 };
 
@@ -562,6 +602,10 @@ class FastLlamaKernel {
     TORCH_CHECK(n_heads % n_kv_heads == 0, "n_heads must be a multiple of n_kv_heads");
   }
 
+  // Whether the layers added from now on hold their matrices pair-interleaved (`kPairChunk`)
+  // wherever `paired_ok` allows: FastLlama rearranges them so before handing them over.
+  void set_paired(bool on) { paired_ = on; }
+
   // The s* arguments are the per-row scales of int8 weights (None for float32 and bf16).
   void add_layer(at::Tensor in_norm, at::Tensor wqkv, std::optional<at::Tensor> bqkv, at::Tensor wo,
                  std::optional<at::Tensor> bo, at::Tensor post_norm, at::Tensor wgu,
@@ -573,6 +617,8 @@ class FastLlamaKernel {
     L.wo = mat(wo, so, H_, Hq_ * D_);
     L.wgu = mat(wgu, sgu, 2 * I_, H_);
     L.wdown = mat(wdown, sdown, H_, I_);
+    for (Mat* m : {&L.wqkv, &L.wo, &L.wgu, &L.wdown})
+      m->paired = paired_ && paired_ok(m->w.scalar_type(), m->w.size(0), m->w.size(1));
     check_f32(in_norm, H_);
     check_f32(post_norm, H_);
     if (bqkv) check_f32(*bqkv, qkv);
@@ -766,7 +812,7 @@ class FastLlamaKernel {
     check_scale(w, scale);
     if (wtype_ == at::ScalarType::Undefined) wtype_ = w.scalar_type();
     TORCH_CHECK(w.scalar_type() == wtype_, "all weights must have one type");
-    return {w, scale.value_or(at::Tensor())};
+    return {w, scale.value_or(at::Tensor()), false};
   }
 
   static const float* opt(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
@@ -802,12 +848,15 @@ class FastLlamaKernel {
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& L = layers_[l];
       rmsnorm(x, M, H, L.in_norm.data_ptr<float>(), eps_, xn);
-      linear(xn, M, H, wptr<WT>(L.wqkv.w), QKV, H, L.wqkv.sc(), opt(L.bqkv), qkv, QKV, false);
+      linear(xn, M, H, wptr<WT>(L.wqkv.w), QKV, H, L.wqkv.sc(), opt(L.bqkv), qkv, QKV, false,
+             L.wqkv.paired);
       write_kv(l, M, sl, ps, cos, sin);
       attention(l, M, ps);
-      linear(att_.data(), M, HQD, wptr<WT>(L.wo.w), H, HQD, L.wo.sc(), opt(L.bo), x, H, true);
+      linear(att_.data(), M, HQD, wptr<WT>(L.wo.w), H, HQD, L.wo.sc(), opt(L.bo), x, H, true,
+             L.wo.paired);
       rmsnorm(x, M, H, L.post_norm.data_ptr<float>(), eps_, xn);
-      linear(xn, M, H, wptr<WT>(L.wgu.w), 2 * I, H, L.wgu.sc(), nullptr, gu_.data(), 2 * I, false);
+      linear(xn, M, H, wptr<WT>(L.wgu.w), 2 * I, H, L.wgu.sc(), nullptr, gu_.data(), 2 * I, false,
+             L.wgu.paired);
       // SwiGLU, one element at a time (scalar expf: 5 rows x 1536 took 2 ms of a 31 ms forward on
       // one thread), split over the threads.
       at::parallel_for(0, M * I, 2048, [&](int64_t e0, int64_t e1) {
@@ -817,7 +866,8 @@ class FastLlamaKernel {
           act_[m * I + k] = g[k] / (1.0f + std::exp(-g[k])) * g[I + k];
         }
       });
-      linear(act_.data(), M, I, wptr<WT>(L.wdown.w), H, I, L.wdown.sc(), nullptr, x, H, true);
+      linear(act_.data(), M, I, wptr<WT>(L.wdown.w), H, I, L.wdown.sc(), nullptr, x, H, true,
+             L.wdown.paired);
     }
 
     if (keep_hidden_) {
@@ -952,6 +1002,7 @@ class FastLlamaKernel {
   float eps_;
   const int64_t* ctx_ = nullptr;  // per token of the running call: keys before it, RoPE position
   bool keep_hidden_ = false;
+  bool paired_ = false;
   at::Tensor hidden_;
   std::vector<Layer> layers_;
   at::ScalarType wtype_ = at::ScalarType::Undefined;
@@ -968,6 +1019,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double>())
       .def("add_layer", &FastLlamaKernel::add_layer)
       .def("set_head", &FastLlamaKernel::set_head)
+      .def("set_paired", &FastLlamaKernel::set_paired)
       .def("set_rope", &FastLlamaKernel::set_rope)
       .def("set_cache", &FastLlamaKernel::set_cache)
       .def("move_positions", &FastLlamaKernel::move_positions)
