@@ -519,9 +519,9 @@ def test_tree_forward_scores_each_alternative_as_at_its_chain_position(use_kerne
 def test_pair_interleaved_weights_give_bitwise_the_row_major_logits(
     dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The kernel's pair-interleaved layer matrices change where weights sit, not the arithmetic:
-    decoding, verification-sized calls and a long prefill (the torch path, which reads the matrices
-    as rows again) give bitwise what row-major matrices give."""
+    """The kernel's pair-interleaved matrices (layers, embedding, head) change where weights sit, not
+    the arithmetic: decoding, verification-sized calls and a long prefill (the torch path, which reads
+    the matrices as rows again) give bitwise what row-major matrices give."""
     hf = _mistral(head_dim=76, max_position_embeddings=256, sliding_window=256)
     ids = torch.randint(0, VOCAB, (2, 140), generator=torch.Generator().manual_seed(4))
 
@@ -544,4 +544,7 @@ def test_pair_interleaved_weights_give_bitwise_the_row_major_logits(
     for key in moved:
         assert not torch.equal(layer[key], plain["layers"][0][key])
         assert torch.equal(_plain_rows(layer[key]), plain["layers"][0][key])
+    for key in ("embed", "head"):  # untied here: both rearranged (a tied one is one tensor)
+        assert not torch.equal(w[key], plain[key])
+        assert torch.equal(_plain_rows(w[key]), plain[key])
     assert torch.equal(paired, rows)

@@ -417,14 +417,15 @@ void for_each_pass(int64_t M, int64_t N, const Pass& pass) {
 // streams its half of the weights once; within a block of 8 weight rows every input row is applied
 // while the block is in L1 (`for_each_pass`).
 //
-// `paired`: w is pair-interleaved (`paired_ok`). Its first pass prefetches only with 3 or more input
-// rows, whose arithmetic would otherwise wait on the loads; with 1 or 2 the hardware prefetcher
-// keeps up with the single stream alone (a software prefetch there cost 10-25% of the bandwidth).
+// `paired`: w is pair-interleaved (`paired_ok`). Its first pass prefetches only with 2 or more input
+// rows, whose arithmetic would otherwise wait on the loads (int8, 2 rows: +0.8-1.5 ms per forward
+// without it); with one the hardware prefetcher keeps up with the single stream alone (a software
+// prefetch there cost 10-25% of the bandwidth).
 template <typename WT>
 void linear(const float* x, int64_t M, int64_t ldx, const WT* w, int64_t N, int64_t K,
             const float* scale, const float* bias, float* y, int64_t ldy, bool accumulate,
             bool paired = false) {
-  const int64_t pf = paired && M <= 2 ? 0 : kPrefetchBytes / static_cast<int64_t>(sizeof(WT));
+  const int64_t pf = paired && M == 1 ? 0 : kPrefetchBytes / static_cast<int64_t>(sizeof(WT));
   if constexpr (std::is_same_v<WT, i8>) {
     thread_local std::vector<int16_t> xq;
     thread_local std::vector<float> xs;
@@ -602,8 +603,9 @@ class FastLlamaKernel {
     TORCH_CHECK(n_heads % n_kv_heads == 0, "n_heads must be a multiple of n_kv_heads");
   }
 
-  // Whether the layers added from now on hold their matrices pair-interleaved (`kPairChunk`)
-  // wherever `paired_ok` allows: FastLlama rearranges them so before handing them over.
+  // Whether the layers added from now on, and the embedding and head set after, hold their matrices
+  // pair-interleaved (`kPairChunk`) wherever `paired_ok` allows: FastLlama rearranges them so
+  // before handing them over.
   void set_paired(bool on) { paired_ = on; }
 
   // The s* arguments are the per-row scales of int8 weights (None for float32 and bf16).
@@ -637,6 +639,9 @@ class FastLlamaKernel {
     if (embed) embed_ = mat(*embed, embed_scale, embed->size(0), H_);
     check_f32(final_norm, H_);
     head_ = mat(head, head_scale, head.size(0), H_);
+    for (Mat* m : {&embed_, &head_})  // a tied embedding is the head's storage: both or neither
+      if (m->w.defined())
+        m->paired = paired_ && paired_ok(m->w.scalar_type(), m->w.size(0), m->w.size(1));
     final_norm_ = final_norm;
   }
 
@@ -838,7 +843,13 @@ class FastLlamaKernel {
       const float* emb_scale = embed_.sc();
       for (int64_t m = 0; m < M; ++m) {
         const float s = emb_scale ? emb_scale[id[m]] : 1.0f;  // x * 1.0f is exact for the float types
-        for (int64_t k = 0; k < H; ++k) x[m * H + k] = to_f32(emb[id[m] * H + k]) * s;
+        if (embed_.paired) {  // row id is half of pair id / 2, chunk by chunk
+          constexpr int64_t C = kPairChunk<WT>;
+          const WT* row = emb + (id[m] / 2) * 2 * H + (id[m] % 2) * C;
+          for (int64_t k = 0; k < H; ++k) x[m * H + k] = to_f32(row[(k / C) * 2 * C + k % C]) * s;
+        } else {
+          for (int64_t k = 0; k < H; ++k) x[m * H + k] = to_f32(emb[id[m] * H + k]) * s;
+        }
       }
     }
 
@@ -886,7 +897,7 @@ class FastLlamaKernel {
     auto logits = at::empty({R, V}, at::kFloat);
     if (R > 0)
       linear(sel.data(), R, H, wptr<WT>(head_.w), V, H, head_.sc(), nullptr, logits.data_ptr<float>(),
-             V, false);
+             V, false, head_.paired);
     return logits;
   }
 

@@ -186,6 +186,16 @@ def _plain_rows(weight: torch.Tensor) -> torch.Tensor:
     return weight.view(n // 2, k // c, 2, c).transpose(1, 2).reshape(n, k)
 
 
+def _rows_at(weight: torch.Tensor, ids: torch.Tensor, paired: bool) -> torch.Tensor:
+    """Rows ``ids`` (any shape) of ``weight`` ``[N, K]``, pair-interleaved when ``paired`` and
+    ``_pairs_ok``: ``[*ids.shape, K]``."""
+    if not (paired and _pairs_ok(weight)):
+        return weight[ids]
+    n, k = weight.shape
+    c = _pair_chunk(weight)
+    return weight.view(n // 2, k // c, 2, c)[ids // 2, :, ids % 2].reshape(*ids.shape, k)
+
+
 def _native_bfloat16(device: torch.device) -> bool:
     """Whether bfloat16 matrix products run natively (not emulated) on ``device``: a CUDA GPU, or
     a CPU whose oneDNN build supports its bfloat16 instructions (AVX512-BF16 or AMX)."""
@@ -232,11 +242,12 @@ class FastLlama:
     128 348 / 326, 256 676 / 548; int8 96 255 / 386, 128 354 / 344; bfloat16 96 253 / 315, 128
     335 / 358. Short chat prompts (40-90 tokens) are the common case."""
     pair_weights: bool = True
-    """Whether ``from_hf`` hands the kernel its layer matrices pair-interleaved (``_interleave_pairs``):
-    one stream per pair of weight rows, which one core reads near its full bandwidth (float32 one-
-    token forward 19.2-21.0 -> 17.2-18.8 ms at the machine's usual bandwidth, 16.4-19.2 -> 12.3-14.7
-    ms when it has more to give; int8 5.8-8.3 -> 5.1-6.7). The outputs are bitwise the same; long
-    prefills on the torch path pay a row-major copy of each matrix per call."""
+    """Whether ``from_hf`` hands the kernel its matrices (layers, embedding, head) pair-interleaved
+    (``_interleave_pairs``): one stream per pair of weight rows, which one core reads near its full
+    bandwidth (float32 one-token forward, layers only: 19.2-21.0 -> 17.2-18.8 ms at the machine's
+    usual bandwidth, 16.4-19.2 -> 12.3-14.7 ms when it has more to give; int8 5.8-8.3 -> 5.1-6.7).
+    The outputs are bitwise the same; long prefills on the torch path pay a row-major copy of each
+    matrix per call, and gather embedding rows from the pairs."""
 
     def __init__(
         self,
@@ -368,10 +379,13 @@ class FastLlama:
             use_kernel = os.environ.get("VERISPEC_NO_KERNEL", "") in ("", "0")
         use_kernel = bool(use_kernel) and device.type == "cpu" and _load_kernel() is not None
         if use_kernel and cls.pair_weights:
-            for layer in weights["layers"]:
-                for key in _LAYER_MATRICES:
-                    if _pairs_ok(layer[key]):
-                        _interleave_pairs(layer[key])
+            mats = [(layer, key) for layer in weights["layers"] for key in _LAYER_MATRICES]
+            mats.append((weights, "embed"))
+            if weights["head"] is not weights["embed"]:  # a tied head is the embedding's storage
+                mats.append((weights, "head"))
+            for d, key in mats:
+                if _pairs_ok(d[key]):
+                    _interleave_pairs(d[key])
             weights["paired"] = True
         return cls(
             config,
@@ -655,7 +669,7 @@ class FastLlama:
         cos = w["cos"][rope][:, :, None, :]  # [n, T, 1, D]
         sin = w["sin"][rope][:, :, None, :]
         contiguous = bool((idx == torch.arange(int(idx[0]), int(idx[0]) + n)).all())
-        x = w["embed"][ids.to(dev)].float()  # [n, T, hidden]
+        x = _rows_at(w["embed"], ids.to(dev), bool(w.get("paired"))).float()  # [n, T, hidden]
         if w["embed_scale"] is not None:
             x = x * w["embed_scale"][ids.to(dev)][..., None]  # int8 rows, dequantised as the kernel does
         for layer, kc, vc in zip(w["layers"], self.k_cache, self.v_cache, strict=True):
@@ -699,7 +713,10 @@ class FastLlama:
         if logits == "last":
             x = x[:, -1]  # [n, hidden]: only the last position pays for the vocab projection
         x = _rms_norm(x, w["norm"], self._eps)
-        out = _linear(x, w["head"], scale=w["head_scale"], compute=compute).float()
+        head = w["head"]
+        if w.get("paired") and _pairs_ok(head):
+            head = _plain_rows(head)
+        out = _linear(x, head, scale=w["head_scale"], compute=compute).float()
         return out.cpu()  # sampling and acceptance run on the CPU (a no-op there)
 
 
