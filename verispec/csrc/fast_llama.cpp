@@ -84,7 +84,7 @@ constexpr int64_t kPairChunk = std::is_same_v<WT, i8> ? 16 : 8;
 // Whether an [n, k] weight of this type can be pair-interleaved: whole pairs and whole chunks (no
 // scalar tail). FastLlama applies the same rule when it rearranges the weights.
 inline bool paired_ok(at::ScalarType t, int64_t n, int64_t k) {
-  return n % 2 == 0 && k % (t == at::kChar ? 16 : 8) == 0;
+  return n % 2 == 0 && k % (t == at::kChar ? kPairChunk<i8> : kPairChunk<float>) == 0;
 }
 
 // y[i, j] (+)= bias[j] + dot(x[i, :K], w[j, :K]) * scale[j] for an MR x NR tile (no scale when
@@ -619,8 +619,6 @@ class FastLlamaKernel {
     L.wo = mat(wo, so, H_, Hq_ * D_);
     L.wgu = mat(wgu, sgu, 2 * I_, H_);
     L.wdown = mat(wdown, sdown, H_, I_);
-    for (Mat* m : {&L.wqkv, &L.wo, &L.wgu, &L.wdown})
-      m->paired = paired_ && paired_ok(m->w.scalar_type(), m->w.size(0), m->w.size(1));
     check_f32(in_norm, H_);
     check_f32(post_norm, H_);
     if (bqkv) check_f32(*bqkv, qkv);
@@ -636,12 +634,10 @@ class FastLlamaKernel {
   // None: a model fed with input vectors only (`forward_hidden`, e.g. an EAGLE draft head).
   void set_head(std::optional<at::Tensor> embed, at::Tensor final_norm, at::Tensor head,
                 std::optional<at::Tensor> embed_scale, std::optional<at::Tensor> head_scale) {
+    // A tied embedding is the head's storage: the same rule pairs both or neither.
     if (embed) embed_ = mat(*embed, embed_scale, embed->size(0), H_);
     check_f32(final_norm, H_);
     head_ = mat(head, head_scale, head.size(0), H_);
-    for (Mat* m : {&embed_, &head_})  // a tied embedding is the head's storage: both or neither
-      if (m->w.defined())
-        m->paired = paired_ && paired_ok(m->w.scalar_type(), m->w.size(0), m->w.size(1));
     final_norm_ = final_norm;
   }
 
@@ -811,13 +807,14 @@ class FastLlamaKernel {
   }
 
   // A checked weight of [n, k]; every weight of one model must share one type (run<WT> reads all
-  // of them as WT).
+  // of them as WT). Pair-interleaved when set_paired is on and `paired_ok` allows.
   Mat mat(const at::Tensor& w, const std::optional<at::Tensor>& scale, int64_t n, int64_t k) {
     check_weight(w, n, k);
     check_scale(w, scale);
     if (wtype_ == at::ScalarType::Undefined) wtype_ = w.scalar_type();
     TORCH_CHECK(w.scalar_type() == wtype_, "all weights must have one type");
-    return {w, scale.value_or(at::Tensor()), false};
+    const bool paired = paired_ && paired_ok(w.scalar_type(), n, k);
+    return {w, scale.value_or(at::Tensor()), paired};
   }
 
   static const float* opt(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
@@ -934,7 +931,8 @@ class FastLlamaKernel {
 
   void plan_attention(int64_t M, const int64_t* sl) {
     const int64_t G = Hq_ / Hkv_, threads = std::max<int64_t>(1, at::get_num_threads());
-    const int64_t cap = std::min(kMaxItemQueries, std::max<int64_t>(1, (M * Hq_ + 4 * threads - 1) / (4 * threads)));
+    const int64_t per_thread = (M * Hq_ + 4 * threads - 1) / (4 * threads);
+    const int64_t cap = std::min(kMaxItemQueries, std::max<int64_t>(1, per_thread));
     items_.clear();
     queries_.clear();
     std::vector<int64_t> rows;  // the call's batch rows, in order of their first token
@@ -994,16 +992,9 @@ class FastLlamaKernel {
             const int64_t j1 = std::min(j0 + JB, ctx_[qs[a] / Hq_]);
             if (j1 > j0) weighted_rows(pbuf.data() + a * S, V, j0, j1, D, att_.data() + qs[a] * D);
           }
-        for (int64_t a = 0; a < n; ++a) {
+        for (int64_t a = 0; a < n; ++a) {  // the token's own value last: one more row of the chain
           const int64_t m = qs[a] / Hq_;
-          const float pc = pbuf[a * S + ctx_[m]];
-          const float* vself = V + ps[m] * D;
-          float* out = att_.data() + qs[a] * D;
-          int64_t d = 0;
-          for (; d + 8 <= D; d += 8)
-            _mm256_storeu_ps(out + d, _mm256_fmadd_ps(_mm256_set1_ps(pc), _mm256_loadu_ps(vself + d),
-                                                      _mm256_loadu_ps(out + d)));
-          for (; d < D; ++d) out[d] = std::fma(pc, vself[d], out[d]);
+          weighted_rows(pbuf.data() + a * S + ctx_[m], V + ps[m] * D, 0, 1, D, att_.data() + qs[a] * D);
         }
       }
     });

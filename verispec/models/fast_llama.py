@@ -186,6 +186,12 @@ def _plain_rows(weight: torch.Tensor) -> torch.Tensor:
     return weight.view(n // 2, k // c, 2, c).transpose(1, 2).reshape(n, k)
 
 
+def _as_rows(weight: torch.Tensor, paired: bool) -> torch.Tensor:
+    """``weight`` ``[N, K]`` row-major: a copy read from the pairs when ``paired`` and ``_pairs_ok``
+    (the kernel's layout), else ``weight`` itself."""
+    return _plain_rows(weight) if paired and _pairs_ok(weight) else weight
+
+
 def _rows_at(weight: torch.Tensor, ids: torch.Tensor, paired: bool) -> torch.Tensor:
     """Rows ``ids`` (any shape) of ``weight`` ``[N, K]``, pair-interleaved when ``paired`` and
     ``_pairs_ok``: ``[*ids.shape, K]``."""
@@ -669,15 +675,13 @@ class FastLlama:
         cos = w["cos"][rope][:, :, None, :]  # [n, T, 1, D]
         sin = w["sin"][rope][:, :, None, :]
         contiguous = bool((idx == torch.arange(int(idx[0]), int(idx[0]) + n)).all())
-        x = _rows_at(w["embed"], ids.to(dev), bool(w.get("paired"))).float()  # [n, T, hidden]
+        paired = bool(w.get("paired"))  # the kernel's layout: matrices are read as rows again
+        x = _rows_at(w["embed"], ids.to(dev), paired).float()  # [n, T, hidden]
         if w["embed_scale"] is not None:
             x = x * w["embed_scale"][ids.to(dev)][..., None]  # int8 rows, dequantised as the kernel does
         for layer, kc, vc in zip(w["layers"], self.k_cache, self.v_cache, strict=True):
-            if w.get("paired"):  # the kernel's layout: read as rows again (a copy per call)
-                layer = {
-                    **layer,
-                    **{m: _plain_rows(layer[m]) for m in _LAYER_MATRICES if _pairs_ok(layer[m])},
-                }
+            if paired:  # a row-major copy of each matrix per call
+                layer = {**layer, **{m: _as_rows(layer[m], paired) for m in _LAYER_MATRICES}}
             h = _rms_norm(x, layer["in_norm"], self._eps)
             # [n, T, (Hq + 2 Hkv) D]
             qkv = _linear(h, layer["wqkv"], layer["bqkv"], layer["wqkv_scale"], compute)
@@ -713,9 +717,7 @@ class FastLlama:
         if logits == "last":
             x = x[:, -1]  # [n, hidden]: only the last position pays for the vocab projection
         x = _rms_norm(x, w["norm"], self._eps)
-        head = w["head"]
-        if w.get("paired") and _pairs_ok(head):
-            head = _plain_rows(head)
+        head = _as_rows(w["head"], paired)
         out = _linear(x, head, scale=w["head_scale"], compute=compute).float()
         return out.cpu()  # sampling and acceptance run on the CPU (a no-op there)
 
