@@ -126,6 +126,25 @@ def test_a_width_judged_too_dear_is_measured_again_later() -> None:
     assert costs.ratio(2) == pytest.approx(1 + PRIOR_EXTRA_TOKEN_COST)  # expired: tried again
 
 
+def test_kept_medians_equal_medians_computed_afresh() -> None:
+    """``ratio`` keeps each width's median between samples: a random stream of steps (widths 1-4,
+    with long gaps so samples expire) must give what a fresh median over the unexpired window
+    gives, at every step."""
+    import random
+    import statistics
+
+    rng = random.Random(0)
+    costs = StepCosts()
+    costs.horizon = 40
+    for _ in range(600):
+        width = rng.choice([1, 1, 1, 2, 3, 4]) if rng.random() < 0.7 else 1
+        costs.record(1, width, rng.uniform(0.005, 0.02))
+        for w in range(2, 5):
+            window = [r for step, r in costs._ratios.get((1, w), []) if step > costs._steps - costs.horizon]
+            fresh = statistics.median(window) if len(window) >= costs.min_samples else None
+            assert costs._measured(1, w) == fresh
+
+
 def test_costs_stay_with_the_target() -> None:
     a, b = LogitsModel(Successor(1)), LogitsModel(Successor(1))
     assert costs_for(a) is costs_for(a)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verispec.config import ConfigError, GenerationConfig
+from verispec.config import ConfigError, GenerationConfig, SamplingConfig
 from verispec.costs import StepCosts, best_draft_length, best_tree, costs_for, prior_ratios
 from verispec.models.base import KVModel
 from verispec.proposers import Proposal, Proposer
@@ -99,6 +99,18 @@ class Engine:
         """Given (sequence, drafted, accepted) after a step, return the sequence's next k."""
         self.costs = costs if costs is not None else costs_for(target)
         """Measured cost of a step by width (kept per target, so it outlives this engine)."""
+        self._params: dict[tuple[SamplingConfig, ...], SamplingTensors] = {}
+        """Sampling tensors per batch composition, built once (each step would otherwise make them)."""
+
+    def _sampling(self, configs: list[SamplingConfig]) -> SamplingTensors:
+        """:meth:`SamplingTensors.from_configs`, kept per tuple of settings (at most 64 kept)."""
+        key = tuple(configs)
+        params = self._params.get(key)
+        if params is None:
+            if len(self._params) >= 64:
+                self._params.clear()
+            params = self._params[key] = SamplingTensors.from_configs(configs)
+        return params
 
     def new_sequence(self, prompt: Sequence[int], config: GenerationConfig) -> SequenceState:
         """Validate a prompt against the target and make its state (not yet in a slot)."""
@@ -136,26 +148,24 @@ class Engine:
     def step(self, seqs: list[SequenceState]) -> list[StepEvent]:
         """One speculative step for every sequence in ``seqs`` (all in distinct slots, unfinished)."""
         slots = [s.slot for s in seqs]
-        params = SamplingTensors.from_configs([s.config.sampling for s in seqs])
+        params = self._sampling([s.config.sampling for s in seqs])
         gens = [s.generator for s in seqs]
         # Never draft past what may still be emitted or past the context.
-        ks = torch.tensor(
-            [
-                max(
-                    0,
-                    min(
-                        s.k,
-                        s.config.max_new_tokens - s.num_output - 1,
-                        self.target.max_length - len(s.tokens) - 1,
-                    ),
-                )
-                for s in seqs
-            ],
-            dtype=torch.int64,
-        )
+        room = [
+            max(
+                0,
+                min(
+                    s.k,
+                    s.config.max_new_tokens - s.num_output - 1,
+                    self.target.max_length - len(s.tokens) - 1,
+                ),
+            )
+            for s in seqs
+        ]
         proposal, num_draft = None, torch.zeros(len(seqs), dtype=torch.int64)
         tree: list[list[tuple[int, int]]] | None = None
-        if self.proposer is not None and int(ks.max()) > 0:
+        if self.proposer is not None and max(room) > 0:
+            ks = torch.tensor(room, dtype=torch.int64)
             proposal, num_draft, tree = self._propose(seqs, ks, params)
         width = int(num_draft.max())
         start = time.perf_counter()
@@ -179,7 +189,7 @@ class Engine:
             verdict = rejection_sample(draft_tokens, draft_probs, target_probs, num_draft, gens)
 
         accepted = verdict.num_accepted.tolist()
-        emitted = [verdict.tokens[row, : a + 1].tolist() for row, a in enumerate(accepted)]
+        emitted = [tokens[: a + 1] for tokens, a in zip(verdict.tokens.tolist(), accepted)]
         no_alternatives = [0] * len(seqs)
         return self._finish(
             seqs, slots, emitted, accepted, num_draft.tolist(), no_alternatives, width + 1, start
@@ -249,7 +259,7 @@ class Engine:
         logits = self.target.forward(inputs, rows=slots, logits="all", offsets=offsets)
         verdict = greedy_verify_tree(chain, num_draft, alt_tokens, alt_positions, logits)
         accepted = verdict.num_accepted.tolist()
-        emitted = [verdict.tokens[row, : a + 1].tolist() for row, a in enumerate(accepted)]
+        emitted = [tokens[: a + 1] for tokens, a in zip(verdict.tokens.tolist(), accepted)]
         for row, alt in enumerate(verdict.alternative.tolist()):
             if alt >= 0:  # its cache entry moves to its place after the accepted chain tokens
                 kept = accepted[row]  # the chain tokens before it, and the pending token
@@ -377,23 +387,22 @@ class Engine:
         from run to run, and a different draft length consumes its random numbers differently, so
         only a cut that does not depend on the clock lets the seed reproduce the response.
         """
-        widest = int(num_draft.max()) if len(num_draft) else 0
+        limits = num_draft.tolist()
+        widest = max(limits, default=0)
         if widest == 0:
             return num_draft
+        accept = accept_probs.tolist()
         curves: dict[bool, list[float]] = {}  # built once per step, and only the ones a row needs
-        out = num_draft.clone()
-        for row, seq in enumerate(seqs):
-            n = int(num_draft[row])
+        out = list(limits)
+        for row, (seq, n) in enumerate(zip(seqs, limits)):
             if n:
                 fixed = seq.config.seed is not None and not seq.config.sampling.greedy
                 if fixed not in curves:
                     width = widest + 1
                     curves[fixed] = prior_ratios(width) if fixed else self.costs.ratios(width, batch)
                 lookahead = not (sampled and not seq.config.sampling.greedy)
-                out[row] = best_draft_length(
-                    accept_probs[row, :n].tolist(), curves[fixed], lookahead=lookahead
-                )
-        return out
+                out[row] = best_draft_length(accept[row][:n], curves[fixed], lookahead=lookahead)
+        return torch.tensor(out, dtype=torch.int64)
 
     def _commit(
         self, seq: SequenceState, emitted: list[int], flags: list[bool]

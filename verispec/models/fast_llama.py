@@ -58,6 +58,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -179,6 +180,12 @@ def _interleave_pairs(weight: torch.Tensor) -> None:
     weight.copy_(weight.view(n // 2, 2, k // c, c).transpose(1, 2).reshape(n, k).clone())
 
 
+@functools.lru_cache(maxsize=64)
+def _logit_rows(n: int, t: int, logits: LogitsMode) -> torch.Tensor:
+    """:func:`~verispec.models.base.logit_rows`, built once per call shape (the kernel only reads it)."""
+    return logit_rows(n, t, logits)
+
+
 def _plain_rows(weight: torch.Tensor) -> torch.Tensor:
     """A row-major copy ``[N, K]`` of a pair-interleaved ``weight`` (the inverse of ``_interleave_pairs``)."""
     n, k = weight.shape
@@ -281,7 +288,12 @@ class FastLlama:
         self._head_dim = weights["cos"].shape[1]
         self._capacity = 0
         self._batch = 0
-        self._lengths = torch.zeros(0, dtype=torch.int64)
+        self._len_np = np.zeros(0, dtype=np.int64)
+        """Tokens held per slot; ``_lengths`` is the same memory as a tensor. Each decoding step reads
+        and writes it through numpy: a dozen small torch operations per step cost 0.2-0.4 ms here,
+        most of it cache misses, since the forward before them has streamed the weights through
+        every cache level."""
+        self._lengths = torch.from_numpy(self._len_np)
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
         self._kernel: Any = None
@@ -458,7 +470,8 @@ class FastLlama:
             if self._kernel is not None:
                 self._kernel.set_cache(self.k_cache, self.v_cache)
         self._batch = batch_size
-        self._lengths = torch.zeros(self._capacity, dtype=torch.int64)
+        self._len_np = np.zeros(self._capacity, dtype=np.int64)
+        self._lengths = torch.from_numpy(self._len_np)
 
     def weight_bytes(self) -> int:
         """Bytes of the weights one decode step reads (a tied head counts once; RoPE tables excluded)."""
@@ -470,22 +483,13 @@ class FastLlama:
 
     def truncate(self, lengths: torch.Tensor, rows: list[int] | None = None) -> None:
         """Roll back: row ``rows[i]`` keeps its first ``lengths[i]`` tokens (``[n]`` int64)."""
-        if isinstance(rows, list) and len(rows) == 1 and 0 <= rows[0] < self._batch:
-            # One row, every decoding step: Python ints instead of a dozen small tensor operations.
-            values = torch.as_tensor(lengths).reshape(-1).tolist()
-            if len(values) != 1:
-                raise ValueError(f"{len(values)} lengths for 1 row")
-            if not 0 <= values[0] <= int(self._lengths[rows[0]]):
-                raise ValueError("truncate can only shorten rows")
-            self._lengths[rows[0]] = values[0]
-            return
-        idx = self._rows(rows)
-        new = torch.as_tensor(lengths, dtype=torch.int64).reshape(-1)
-        if new.numel() != idx.numel():
-            raise ValueError(f"{new.numel()} lengths for {idx.numel()} rows")
-        if bool((new < 0).any()) or bool((new > self._lengths[idx]).any()):
+        idx = self._row_array(rows)
+        new = np.asarray(lengths, dtype=np.int64).reshape(-1)  # a CPU tensor's memory, no copy
+        if new.size != idx.size:
+            raise ValueError(f"{new.size} lengths for {idx.size} rows")
+        if (new < 0).any() or (new > self._len_np[idx]).any():
             raise ValueError("truncate can only shorten rows")
-        self._lengths[idx] = new
+        self._len_np[idx] = new
 
     supports_tree = True
     """``forward`` takes ``offsets``: it can verify a tree of drafts in one call."""
@@ -510,16 +514,19 @@ class FastLlama:
         """
         if logits not in ("all", "last", "none"):
             raise ValueError(f"logits must be 'all', 'last' or 'none', not {logits!r}")
-        idx = self._rows(rows)
-        ids = torch.as_tensor(input_ids).to(dtype=torch.int64)
-        if ids.dim() != 2 or ids.shape[0] != idx.numel():
-            raise ValueError(f"input_ids must be [{idx.numel()}, T], got {tuple(ids.shape)}")
+        rows_np = self._row_array(rows)  # [n]
+        ids = torch.as_tensor(input_ids)
+        if ids.dtype != torch.int64:
+            ids = ids.to(dtype=torch.int64)
+        if ids.dim() != 2 or ids.shape[0] != rows_np.size:
+            raise ValueError(f"input_ids must be [{rows_np.size}, T], got {tuple(ids.shape)}")
         n, T = ids.shape
-        starts = self._lengths[idx]  # [n]
+        starts_np = self._len_np[rows_np]  # [n], a copy
         if T == 0:
             return None if logits == "none" else self._empty_logits(n, logits)
-        if int(starts.max()) + T > self.max_length:
+        if int(starts_np.max()) + T > self.max_length:
             raise ValueError(f"a row would exceed max_length={self.max_length}")
+        idx, starts = torch.from_numpy(rows_np), torch.from_numpy(starts_np)
         if offsets is not None:
             offsets = torch.as_tensor(offsets, dtype=torch.int64)
             if offsets.shape != ids.shape:
@@ -544,7 +551,7 @@ class FastLlama:
         if self._record_hidden and self.last_hidden is not None:
             for i, (row, start) in enumerate(zip(idx.tolist(), starts.tolist())):
                 self.hidden_by_row[row] = (start, self.last_hidden[i])
-        self._lengths[idx] = starts + T
+        self._len_np[rows_np] = starts_np + T
         return out
 
     __call__ = forward
@@ -571,18 +578,14 @@ class FastLlama:
 
     # ---------------------------------------------------------------------------------- internals
 
-    def _rows(self, rows: list[int] | None) -> torch.Tensor:
-        """Validated row indices ``[n]`` int64 (all rows when None)."""
+    def _row_array(self, rows: list[int] | None) -> np.ndarray:
+        """Validated row indices ``[n]`` int64 (all rows when None), as numpy (see ``_len_np``)."""
         if rows is None:
-            return torch.arange(self._batch)
-        if isinstance(rows, list) and len(rows) == 1:  # the common case, without the tensor checks
-            if not 0 <= int(rows[0]) < self._batch:
-                raise ValueError(f"rows {rows} out of range for batch size {self._batch}")
-            return torch.tensor(rows, dtype=torch.int64)
-        idx = torch.as_tensor(rows, dtype=torch.int64).reshape(-1)
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self._batch):
+            return np.arange(self._batch, dtype=np.int64)
+        idx = np.asarray(rows, dtype=np.int64).reshape(-1)
+        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= self._batch):
             raise ValueError(f"rows {rows} out of range for batch size {self._batch}")
-        if idx.unique().numel() != idx.numel():
+        if idx.size > 1 and np.unique(idx).size != idx.size:
             raise ValueError(f"rows {rows} contain duplicates")
         return idx
 
@@ -601,11 +604,12 @@ class FastLlama:
         """One C++ call; token ``(i, t)`` is row ``idx[i]`` at position ``starts[i] + t`` (attending
         as at ``starts[i] + offsets[i, t]`` when ``offsets`` ``[n, T]`` is given, see ``forward``)."""
         n, T = ids.shape
-        pos = (starts[:, None] + torch.arange(T)).reshape(-1)  # [n*T]
-        slots = idx.repeat_interleave(T)  # [n*T]
-        wanted = logit_rows(n, T, logits)
+        first = starts.numpy()[:, None]  # [n, 1]
+        pos = torch.from_numpy((first + np.arange(T)).reshape(-1))  # [n*T]
+        slots = torch.from_numpy(np.repeat(idx.numpy(), T))  # [n*T]
+        wanted = _logit_rows(n, T, logits)
         flat = ids.reshape(-1).contiguous()
-        ctx = None if offsets is None else (starts[:, None] + offsets).reshape(-1).contiguous()  # [n*T]
+        ctx = None if offsets is None else torch.from_numpy((first + offsets.numpy()).reshape(-1))  # [n*T]
         out = self._threads.run(lambda: self._kernel.forward(flat, slots, pos, wanted, ctx), tokens=n * T)
         if self._record_hidden:
             self.last_hidden = self._kernel.last_hidden().view(n, T, -1)

@@ -11,8 +11,7 @@ choice holds, so a quiet machine pays almost nothing and a busy one recovers wit
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import TypeVar
 
 import torch
@@ -23,22 +22,30 @@ EXTRA_TOKEN_COST = 0.05
 """Cost of each further token in a call, relative to a one-token call (measured: 5 tokens ~1.2x)."""
 
 
-@contextmanager
-def torch_threads(n: int) -> Iterator[None]:
+class torch_threads:  # noqa: N801 - used as a function: ``with torch_threads(n):``
     """Run the block on ``n`` intra-op threads and restore the process's count after it.
 
     For small models next to the target (a draft head of 9M weights): their matrix products are too
     small to gain from a second thread, and on a shared machine a second thread makes them wait at
     every barrier (EAGLE head, 1 thread 4.8 ms per token; 2 threads 5.7 ms quiet, up to 64 ms busy).
+    A class, not a generator-based context manager: it wraps every kernel call, where a generator
+    frame's setup cost more than the thread check itself.
     """
-    before = torch.get_num_threads()
-    if before != n:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        if before != n:
-            torch.set_num_threads(before)
+
+    __slots__ = ("n", "before")
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.before = n
+
+    def __enter__(self) -> None:
+        self.before = torch.get_num_threads()
+        if self.before != self.n:
+            torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.before != self.n:
+            torch.set_num_threads(self.before)
 
 
 class ThreadTuner:
