@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import verispec
+from verispec.api import stream_generate
 from verispec.config import ConfigError, GenerationConfig, SamplingConfig
 
 
@@ -31,6 +32,27 @@ def test_stop_string_cuts_text_and_tokens(tiny):
     assert out.finish_reason == "stop"
     assert out.token_ids == plain.token_ids[: len(out.token_ids)]
     assert len(out.token_ids) < len(plain.token_ids)
+
+
+def test_text_is_decoded_when_read_not_at_every_step(tiny, monkeypatch):
+    """Without stop strings nothing needs the text during generation: it is decoded once, when
+    read, and equals the decoded tokens; streaming readers get each step's text."""
+    calls = []
+    decode = tiny.tokenizer.decode
+
+    def counting(ids, **kwargs):
+        calls.append(len(ids))
+        return decode(ids, **kwargs)
+
+    monkeypatch.setattr(tiny.tokenizer, "decode", counting)
+    ids = tiny.tokenizer("Once upon a time").input_ids
+    out = verispec.speculative_generate(tiny, None, ids, max_new_tokens=30, temperature=0, ignore_eos=True)
+    assert len(out.token_ids) == 30 and len(calls) == 1
+    assert out.text == decode(out.token_ids, skip_special_tokens=True)
+    config = GenerationConfig(max_new_tokens=5, sampling=SamplingConfig(temperature=0), ignore_eos=True)
+    texts = [ev.seq.text for events in stream_generate(tiny, None, [ids], config) for ev in events]
+    assert len(texts) == 5 and all(texts[-1].startswith(t) for t in texts)
+    assert texts[-1] == decode(out.token_ids[:5], skip_special_tokens=True)
 
 
 def test_stats_are_consistent(tiny):
