@@ -82,15 +82,22 @@ def test_match_is_the_longest_most_recent_earlier_occurrence() -> None:
         if rng.random() < 0.3:  # periodic text: many candidates, long matches
             seq = np.tile(seq[: max(1, n // 6)], 8)[:n]
         pl = PromptLookup(max_ngram=int(rng.integers(1, 40)))
-        assert pl.match(seq) == _naive_match(seq.tolist(), pl.max_ngram)
+        expected = _naive_match(seq.tolist(), pl.max_ngram)
+        assert pl.match(seq) == expected
+        # The search on Python ints, for few candidates, finds the same match.
+        toks = seq.tolist()
+        ends = [i for i in range(len(toks) - 1) if toks[i] == toks[-1]]
+        assert pl._match_among(toks, ends) == expected
 
 
-def test_propose_follows_growing_replaced_and_edited_sequences() -> None:
+@pytest.mark.parametrize("few", [-1, 10**9, 3])
+def test_propose_follows_growing_replaced_and_edited_sequences(few: int) -> None:
     """propose keeps each slot's tokens as an array extended between calls; whatever happens to the
     lists (growth past the buffer's capacity, a new sequence after ``start``, a list cut short or
     rewritten at its end), each proposal must be the one the lists' current tokens define."""
     rng = np.random.default_rng(5)
     pl = PromptLookup(max_ngram=12)
+    pl.few_candidates = few  # both searches: numpy always, Python ints always, or by count
     params = SamplingTensors.from_configs([SamplingConfig(temperature=0.0)] * 2)
     seqs = [[int(t) for t in rng.integers(0, 20, 30)] for _ in range(2)]
     for slot, seq in enumerate(seqs):

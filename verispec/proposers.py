@@ -283,32 +283,42 @@ def lookup_bucket(length: int) -> int:
 
 
 class _TokenBuffer:
-    """One slot's committed tokens as an int64 array, extended by the tokens added since the last
-    sync instead of converting the whole list at every proposal (which cost a third of one).
+    """One slot's committed tokens, kept between proposals and extended by the tokens added since the
+    last sync instead of converting the whole list at every proposal (which cost a third of one):
+    a copy of the list, each token's positions in it, and (built when asked) an int64 array.
 
     The engine only appends to a slot's list between ``start`` calls; a list that got shorter, or
-    whose last :data:`_SYNC_CHECK` already-synced tokens no longer match, is converted again whole.
+    whose last :data:`_SYNC_CHECK` already-synced tokens no longer match, is taken again whole.
     """
 
     def __init__(self) -> None:
-        self.data = np.empty(256, dtype=np.int64)  # [capacity]; the first `size` hold the tokens
-        self.size = 0
+        self.tokens: list[int] = []
+        self.where: dict[int, list[int]] = {}
+        """Each token's positions in ``tokens``, ascending."""
+        self.data = np.empty(256, dtype=np.int64)  # [capacity]; the first `in_array` hold tokens
+        self.in_array = 0
 
-    def sync(self, toks: Sequence[int]) -> np.ndarray:
-        """``[len(toks)]`` int64 view of ``toks``, valid until the next sync."""
-        n, have = len(toks), self.size
+    def sync(self, toks: Sequence[int]) -> None:
+        """Make the buffer hold ``toks``."""
+        n, have = len(toks), len(self.tokens)
         check = min(have, _SYNC_CHECK)
-        if n < have or (check and list(toks[have - check : have]) != self.data[have - check : have].tolist()):
-            have = 0
+        if n < have or (check and list(toks[have - check : have]) != self.tokens[have - check : have]):
+            self.tokens, self.where, self.in_array, have = [], {}, 0, 0
+        for i in range(have, n):
+            t = int(toks[i])
+            self.tokens.append(t)
+            self.where.setdefault(t, []).append(i)
+
+    def array(self) -> np.ndarray:
+        """``[N]`` int64 view of the synced tokens, valid until the next sync."""
+        n, have = len(self.tokens), self.in_array
         if n > self.data.shape[0]:  # double the capacity: appends stay amortised O(1)
             grown = np.empty(max(n, 2 * self.data.shape[0]), dtype=np.int64)
             grown[:have] = self.data[:have]
             self.data = grown
-        if n == have + 1:
-            self.data[have] = toks[have]
-        elif n > have:
-            self.data[have:n] = toks[have:n]
-        self.size = n
+        if n > have:
+            self.data[have:n] = self.tokens[have:n]
+        self.in_array = n
         return self.data[:n]
 
 
@@ -354,10 +364,15 @@ class PromptLookup:
         """Shortest match worth proposing from."""
         self.tokens_per_match = tokens_per_match
         """If set, at most this many draft tokens per matched token (a fixed rule; None: as many as k)."""
+        self.few_candidates = 48
+        """Up to this many earlier occurrences of the last token, the match is found on Python ints;
+        beyond, with numpy over all of them at once. After a forward has streamed the weights
+        through every cache level each numpy call costs about 7 us, and the vectorised search made
+        about fifteen; repetitive text (hundreds of candidates, long matches) needs numpy."""
         self._stats = AcceptanceCounts(prior, prior_weight)
         """Acceptance by match-length bucket, learned per slot."""
         self._buffers: dict[int, _TokenBuffer] = {}
-        """Per slot, the committed tokens as an array, extended at each proposal."""
+        """Per slot, the committed tokens and where each occurs, extended at each proposal."""
 
     @property
     def prior(self) -> tuple[float, ...]:
@@ -399,11 +414,15 @@ class PromptLookup:
             buffer = self._buffers.get(slot)
             if buffer is None:
                 buffer = self._buffers[slot] = _TokenBuffer()
-            a = buffer.sync(toks)  # [N]
-            start, length = self.match(a)
+            buffer.sync(toks)
+            seen = buffer.where.get(buffer.tokens[-1], []) if buffer.tokens else []
+            if len(seen) <= self.few_candidates:  # its own position is the last one listed
+                start, length = self._match_among(buffer.tokens, seen[:-1])
+            else:
+                start, length = self.match(buffer.array())
             if length < self.min_ngram:
                 continue
-            found = a[start : start + self._cap(length, want)].tolist()
+            found = buffer.tokens[start : start + self._cap(length, want)]
             buckets = [lookup_bucket(length + i) for i in range(len(found))]
             tokens[row, : len(found)] = found
             estimate = self._stats.estimates(slot)  # [buckets]
@@ -441,6 +460,21 @@ class PromptLookup:
         lengths = np.logical_and.accumulate(same, axis=1).sum(axis=1)  # [C]
         last = lengths.size - 1 - int(lengths[::-1].argmax())  # the most recent of the longest
         return int(ends[last]) + 1, int(lengths[last])
+
+    def _match_among(self, toks: list[int], ends: list[int]) -> tuple[int, int]:
+        """:meth:`match` of ``toks`` given the earlier positions ``ends`` (ascending) of its last
+        token, on Python ints: a few candidates, each compared until its first mismatch."""
+        n, best, start = len(toks), 0, 0
+        span = min(self.max_ngram, n - 1)
+        for end in reversed(ends):  # the most recent first: a later one must be longer to win
+            length = 1
+            while length < span and end >= length and toks[end - length] == toks[n - 1 - length]:
+                length += 1
+            if length > best:
+                best, start = length, end + 1
+                if best == span:
+                    break
+        return start, best
 
     def lookup(self, seq: Sequence[int] | torch.Tensor, k: int) -> list[int]:
         """Up to k tokens (fewer with ``tokens_per_match``) that followed the match of ``seq``'s
