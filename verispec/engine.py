@@ -24,7 +24,7 @@ from verispec.config import ConfigError, GenerationConfig, SamplingConfig
 from verispec.costs import StepCosts, best_draft_length, best_tree, costs_for, prior_ratios
 from verispec.models.base import KVModel
 from verispec.proposers import Proposal, Proposer
-from verispec.rejection import greedy_verify, greedy_verify_tree, rejection_sample
+from verispec.rejection import argmax_last, greedy_accept, greedy_verify_tree, rejection_sample
 from verispec.sampling import SamplingTensors, logits_to_probs
 from verispec.stats import GenerationStats
 
@@ -204,20 +204,19 @@ class Engine:
         else:
             draft_tokens, draft_probs, inputs = torch.zeros(len(seqs), 0, dtype=torch.int64), None, pending
         logits = self.target.forward(inputs, rows=slots, logits="all")  # [B, width + 1, V]
-        if params.all_greedy:
-            verdict = greedy_verify(draft_tokens, logits, num_draft)
+        drafted = num_draft.tolist()
+        if params.all_greedy:  # greedy_verify, on Python ints
+            best = argmax_last(logits).tolist()  # [B][width + 1]
+            emitted, accepted = greedy_accept(draft_tokens.tolist(), best, drafted)
         else:
             target_probs = logits_to_probs(logits, params)
             if draft_probs is not None:
                 draft_probs = draft_probs.to(target_probs.dtype)
             verdict = rejection_sample(draft_tokens, draft_probs, target_probs, num_draft, gens)
-
-        accepted = verdict.num_accepted.tolist()
-        emitted = [tokens[: a + 1] for tokens, a in zip(verdict.tokens.tolist(), accepted)]
+            accepted = verdict.num_accepted.tolist()
+            emitted = [tokens[: a + 1] for tokens, a in zip(verdict.tokens.tolist(), accepted)]
         no_alternatives = [0] * len(seqs)
-        return self._finish(
-            seqs, slots, emitted, accepted, num_draft.tolist(), no_alternatives, width + 1, start
-        )
+        return self._finish(seqs, slots, emitted, accepted, drafted, no_alternatives, width + 1, start)
 
     def _finish(
         self,
@@ -243,7 +242,7 @@ class Engine:
             if self.adaptive is not None and seq.config.adaptive:
                 seq.k = self.adaptive(seq, drafted[row], min(accepted[row], drafted[row]))
             events.append(StepEvent(seq=seq, token_ids=tokens, from_draft=flags))
-        self.target.truncate(torch.tensor(keep_lengths), rows=slots)
+        self.target.truncate(keep_lengths, rows=slots)
         self.costs.record(len(seqs), width, time.perf_counter() - start)
         return events
 

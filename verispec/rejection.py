@@ -139,27 +139,36 @@ def argmax_last(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+def greedy_accept(
+    drafts: list[list[int]], best: list[list[int]], limits: list[int]
+) -> tuple[list[list[int]], list[int]]:
+    """:func:`greedy_verify` on Python ints: per row, the emitted tokens (the drafts that equal the
+    target's argmax ``best[row]`` (``k + 1`` tokens), then the target's token where they stop) and
+    how many drafts were accepted; only the first ``limits[row]`` drafts count."""
+    emitted, counts = [], []
+    for drafted, want, limit in zip(drafts, best, limits):
+        n, stop = 0, min(limit, len(drafted))
+        while n < stop and drafted[n] == want[n]:
+            n += 1
+        emitted.append(drafted[:n] + [want[n]])
+        counts.append(n)
+    return emitted, counts
+
+
 def _accept_chain(draft_tokens: torch.Tensor, best: torch.Tensor, num_draft: torch.Tensor) -> Verdict:
     """:func:`greedy_verify` given the target's argmax tokens ``best`` ``[B, k + 1]``.
 
-    On Python ints: the tensors hold a few ints per row, and right after a forward that streamed the
-    weights through every cache level each small torch or numpy operation costs about 10 us (a
-    dozen of them were a fifth of a step's bookkeeping). The verdict is on ``draft_tokens``' device.
+    On Python ints (:func:`greedy_accept`): the tensors hold a few ints per row, and right after a
+    forward that streamed the weights through every cache level each small torch or numpy
+    operation costs about 10 us. The verdict is on ``draft_tokens``' device.
     """
     batch, k = draft_tokens.shape
     device = draft_tokens.device
     if k == 0:  # a plain step: the target's argmax, nothing to compare
-        return Verdict(
-            tokens=best.to(device), num_accepted=torch.zeros(batch, dtype=torch.int64, device=device)
-        )
-    targets, drafts, limits = best.tolist(), draft_tokens.tolist(), num_draft.tolist()
-    rows, counts = [], []
-    for want, drafted, limit in zip(targets, drafts, limits):
-        n = 0
-        while n < min(k, limit) and drafted[n] == want[n]:
-            n += 1
-        rows.append(drafted[:n] + [want[n]] + [-1] * (k - n))
-        counts.append(n)
+        zeros = torch.zeros(batch, dtype=torch.int64, device=device)
+        return Verdict(tokens=best.to(device), num_accepted=zeros)
+    emitted, counts = greedy_accept(draft_tokens.tolist(), best.tolist(), num_draft.tolist())
+    rows = [row + [-1] * (k + 1 - len(row)) for row in emitted]
     return Verdict(
         tokens=torch.tensor(rows, dtype=torch.int64, device=device),
         num_accepted=torch.tensor(counts, dtype=torch.int64, device=device),

@@ -228,7 +228,7 @@ class EagleProposer:
         verification exact, so this only costs acceptance.
         """
         agreed = self._agreed[slot]
-        self.draft.truncate(torch.tensor([agreed]), rows=[slot])
+        self.draft.truncate([agreed], rows=[slot])
         chunks = self._stash.pop(slot, [])
         if upto <= agreed:
             return

@@ -306,7 +306,7 @@ class DraftKV:
                 self._kernel.set_cache(self.k_cache, self.v_cache)
         self._lengths = torch.zeros(batch_size, dtype=torch.int64)
 
-    def truncate(self, lengths: torch.Tensor, rows: list[int] | None = None) -> None:
+    def truncate(self, lengths: torch.Tensor | Sequence[int], rows: list[int] | None = None) -> None:
         """Row ``rows[i]`` keeps its first ``lengths[i]`` tokens (``[n]``)."""
         idx = torch.arange(len(self._lengths)) if rows is None else torch.as_tensor(rows, dtype=torch.int64)
         new = torch.as_tensor(lengths, dtype=torch.int64).reshape(-1)

@@ -13,6 +13,7 @@ explicitly: ``truncate`` sets the row's length back and the next write overwrite
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal, Protocol, runtime_checkable
 
 import torch
@@ -53,8 +54,8 @@ class KVModel(Protocol):
         the CPU whatever device the model runs on: sampling and acceptance run there.
         """
 
-    def truncate(self, lengths: torch.Tensor, rows: list[int] | None = None) -> None:
-        """Roll back: row ``rows[i]`` keeps its first ``lengths[i]`` tokens (``[n]`` int64)."""
+    def truncate(self, lengths: torch.Tensor | Sequence[int], rows: list[int] | None = None) -> None:
+        """Roll back: row ``rows[i]`` keeps its first ``lengths[i]`` tokens (``[n]`` int64, or ints)."""
 
 
 def logit_rows(n: int, t: int, logits: LogitsMode) -> torch.Tensor:

@@ -54,7 +54,7 @@ import functools
 import hashlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -481,8 +481,8 @@ class FastLlama:
         """Bytes of the preallocated key/value caches (all slots, the whole context)."""
         return tensor_bytes(self.k_cache) + tensor_bytes(self.v_cache) if self._capacity else 0
 
-    def truncate(self, lengths: torch.Tensor, rows: list[int] | None = None) -> None:
-        """Roll back: row ``rows[i]`` keeps its first ``lengths[i]`` tokens (``[n]`` int64)."""
+    def truncate(self, lengths: torch.Tensor | Sequence[int], rows: list[int] | None = None) -> None:
+        """Roll back: row ``rows[i]`` keeps its first ``lengths[i]`` tokens (``[n]`` int64, or ints)."""
         idx = self._row_array(rows)
         new = np.asarray(lengths, dtype=np.int64).reshape(-1)  # a CPU tensor's memory, no copy
         if new.size != idx.size:
@@ -582,6 +582,12 @@ class FastLlama:
         """Validated row indices ``[n]`` int64 (all rows when None), as numpy (see ``_len_np``)."""
         if rows is None:
             return np.arange(self._batch, dtype=np.int64)
+        if isinstance(rows, list):  # every step's case, checked on Python ints
+            if not all(0 <= r < self._batch for r in rows):
+                raise ValueError(f"rows {rows} out of range for batch size {self._batch}")
+            if len(rows) > 1 and len(set(rows)) != len(rows):
+                raise ValueError(f"rows {rows} contain duplicates")
+            return np.array(rows, dtype=np.int64)
         idx = np.asarray(rows, dtype=np.int64).reshape(-1)
         if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= self._batch):
             raise ValueError(f"rows {rows} out of range for batch size {self._batch}")

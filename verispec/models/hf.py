@@ -7,6 +7,8 @@ path is for correctness and breadth of architectures; Llama-family models take t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
@@ -73,7 +75,7 @@ class HFModel:
                 total += tensor_bytes([getattr(layer, "keys", None), getattr(layer, "values", None)])
         return total
 
-    def truncate(self, lengths: torch.Tensor, rows: list[int] | None = None) -> None:
+    def truncate(self, lengths: torch.Tensor | Sequence[int], rows: list[int] | None = None) -> None:
         """Crop each row's cache to ``lengths`` (``[n]``)."""
         rows = list(range(len(self._caches))) if rows is None else rows
         for line, row in enumerate(rows):

@@ -7,6 +7,7 @@ checked against analytic laws.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -58,7 +59,7 @@ class LogitsModel:
             outs.append(full[-t:] if logits == "all" else full[-1])
         return None if logits == "none" else torch.stack(outs)
 
-    def truncate(self, lengths: torch.Tensor, rows: list[int] | None = None) -> None:
+    def truncate(self, lengths: torch.Tensor | Sequence[int], rows: list[int] | None = None) -> None:
         """Keep the first ``lengths[i]`` tokens of row ``rows[i]``."""
         rows = list(range(len(self._tokens))) if rows is None else rows
         for line, row in enumerate(rows):
