@@ -22,6 +22,7 @@ import torch
 
 from verispec.config import ConfigError, GenerationConfig, SamplingConfig
 from verispec.costs import StepCosts, best_draft_length, best_tree, costs_for, prior_ratios
+from verispec.detokenize import IncrementalDecoder
 from verispec.models.base import KVModel
 from verispec.proposers import Proposal, Proposer
 from verispec.rejection import argmax_last, greedy_accept, greedy_verify_tree, rejection_sample
@@ -53,6 +54,8 @@ class SequenceState:
     started: float = field(default_factory=time.perf_counter)
     detokenize: Callable[[], str] | None = field(default=None, repr=False)
     """The engine's decoder of the visible output (None: no tokenizer, ``text`` stays empty)."""
+    running_text: IncrementalDecoder | None = field(default=None, repr=False)
+    """Decodes the output while it grows (streaming, stop strings), a few tokens per step."""
     stop_text: str | None = None
     """The text cut where a stop string begins, once one ended the sequence."""
     _decoded: tuple[tuple[int, str | None], str] = field(default=((-1, None), ""), repr=False)
@@ -63,6 +66,8 @@ class SequenceState:
 
         Decoded when read and kept until tokens are added: decoding the whole output at every step
         grew with its length (113 us per step at 512 tokens here) for callers that read it once.
+        While the sequence runs, ``running_text`` decodes only the newest tokens; once it finished,
+        the whole output is decoded once more.
         """
         if self.stop_text is not None:
             return self.stop_text
@@ -70,7 +75,10 @@ class SequenceState:
             return ""
         key = (len(self.tokens), self.finish_reason)
         if self._decoded[0] != key:
-            self._decoded = (key, self.detokenize())
+            if self.finish_reason is None and self.running_text is not None:
+                self._decoded = (key, self.running_text.text(self.output_ids))
+            else:
+                self._decoded = (key, self.detokenize())
         return self._decoded[1]
 
     @property
@@ -152,6 +160,7 @@ class Engine:
         if self.decode is not None:
             decode = self.decode
             seq.detokenize = lambda: decode(self._visible(seq))
+            seq.running_text = IncrementalDecoder(decode)
         return seq
 
     def add(self, seq: SequenceState, slot: int) -> None:
