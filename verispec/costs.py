@@ -45,12 +45,10 @@ class StepCosts:
         self._single: dict[int, deque[float]] = {}
         self._ratios: dict[tuple[int, int], deque[tuple[int, float]]] = {}
         self._steps = 0
-        self._medians: dict[tuple[int, int], tuple[int, float, float | None]] = {}
-        """Per (batch, width), the last :meth:`_measured` answer: (samples seen then, step at which
-        its oldest sample expires, median). Every step asks for every width, and a median over the
-        window each time cost more than the rest of choosing a draft length."""
-        self._seen: dict[tuple[int, int], int] = {}
-        """Samples recorded per (batch, width), ever."""
+        self._medians: dict[tuple[int, int], tuple[float, float | None]] = {}
+        """Per (batch, width), the last :meth:`_measured` answer until a sample arrives: (step at
+        which its oldest sample expires, median). Every step asks for every width, and a median over
+        the window each time cost more than the rest of choosing a draft length."""
 
     def record(self, batch: int, width: int, seconds: float) -> None:
         """One step over ``batch`` rows of ``width`` tokens took ``seconds``."""
@@ -65,22 +63,21 @@ class StepCosts:
         if base > 0:
             samples = self._ratios.setdefault((batch, width), deque(maxlen=self.window))
             samples.append((self._steps, seconds / base))
-            self._seen[batch, width] = self._seen.get((batch, width), 0) + 1
+            self._medians.pop((batch, width), None)
 
     def _measured(self, batch: int, width: int) -> float | None:
         """Median of the unexpired samples of ``width``, if there are enough."""
         samples = self._ratios.get((batch, width))
         if not samples:
             return None
-        seen = self._seen.get((batch, width), 0)
         cached = self._medians.get((batch, width))
-        if cached is not None and cached[0] == seen and self._steps < cached[1]:
-            return cached[2]
+        if cached is not None and self._steps < cached[0]:
+            return cached[1]
         recent = [(step, r) for step, r in samples if step > self._steps - self.horizon]
         value = statistics.median(r for _, r in recent) if len(recent) >= self.min_samples else None
         # Valid until a new sample arrives or the oldest one used expires (None: until a new sample).
         expires = recent[0][0] + self.horizon if recent and value is not None else float("inf")
-        self._medians[batch, width] = (seen, expires, value)
+        self._medians[batch, width] = (expires, value)
         return value
 
     def ratio(self, width: int, batch: int = 1) -> float:

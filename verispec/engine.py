@@ -195,33 +195,39 @@ class Engine:
             )
             for s in seqs
         ]
-        proposal, num_draft = None, torch.zeros(len(seqs), dtype=torch.int64)
+        proposal, num_draft = None, None
         tree: list[list[tuple[int, int]]] | None = None
         if self.proposer is not None and max(room) > 0:
             ks = torch.tensor(room, dtype=torch.int64)
             proposal, num_draft, tree = self._propose(seqs, ks, params)
-        width = int(num_draft.max())
+        # A plain step builds no tensors for its (empty) drafts.
+        drafted = [0] * len(seqs) if num_draft is None else num_draft.tolist()
+        width = max(drafted)
         start = time.perf_counter()
         pending = torch.tensor([[s.tokens[-1]] for s in seqs])  # [B, 1]
         if tree is not None and any(tree):
-            assert proposal is not None
+            assert proposal is not None and num_draft is not None
             return self._tree_step(seqs, slots, pending, proposal, num_draft, tree, start)
         if width:
+            assert proposal is not None and num_draft is not None
             draft_tokens = proposal.tokens[:, :width]  # [B, width]
             draft_probs = None if proposal.probs is None else proposal.probs[:, :width]  # [B, width, V]
             inputs = torch.cat([pending, draft_tokens], dim=1)  # [B, width + 1]
         else:
-            draft_tokens, draft_probs, inputs = torch.zeros(len(seqs), 0, dtype=torch.int64), None, pending
+            draft_tokens, draft_probs, inputs = None, None, pending
         logits = self.target.forward(inputs, rows=slots, logits="all")  # [B, width + 1, V]
-        drafted = num_draft.tolist()
         if params.all_greedy:  # greedy_verify, on Python ints
             best = argmax_last(logits).tolist()  # [B][width + 1]
-            emitted, accepted = greedy_accept(draft_tokens.tolist(), best, drafted)
+            drafts = [[] for _ in seqs] if draft_tokens is None else draft_tokens.tolist()
+            emitted, accepted = greedy_accept(drafts, best, drafted)
         else:
+            if draft_tokens is None:
+                draft_tokens = torch.zeros(len(seqs), 0, dtype=torch.int64)
             target_probs = logits_to_probs(logits, params)
             if draft_probs is not None:
                 draft_probs = draft_probs.to(target_probs.dtype)
-            verdict = rejection_sample(draft_tokens, draft_probs, target_probs, num_draft, gens)
+            limits = torch.tensor(drafted, dtype=torch.int64)
+            verdict = rejection_sample(draft_tokens, draft_probs, target_probs, limits, gens)
             accepted = verdict.num_accepted.tolist()
             emitted = [tokens[: a + 1] for tokens, a in zip(verdict.tokens.tolist(), accepted)]
         no_alternatives = [0] * len(seqs)

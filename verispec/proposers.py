@@ -416,10 +416,11 @@ class PromptLookup:
                 buffer = self._buffers[slot] = _TokenBuffer()
             buffer.sync(toks)
             seen = buffer.where.get(buffer.tokens[-1], []) if buffer.tokens else []
-            if len(seen) <= self.few_candidates:  # its own position is the last one listed
-                start, length = self._match_among(buffer.tokens, seen[:-1])
+            ends = seen[:-1]  # the last token's earlier positions (its own is the last one listed)
+            if len(ends) <= self.few_candidates:
+                start, length = self._match_among(buffer.tokens, ends)
             else:
-                start, length = self.match(buffer.array())
+                start, length = self.match(buffer.array(), np.asarray(ends, dtype=np.int64))
             if length < self.min_ngram:
                 continue
             found = buffer.tokens[start : start + self._cap(length, want)]
@@ -439,16 +440,18 @@ class PromptLookup:
     def _cap(self, length: int, k: int) -> int:
         return k if self.tokens_per_match is None else min(k, self.tokens_per_match * length)
 
-    def match(self, seq: Sequence[int] | np.ndarray) -> tuple[int, int]:
+    def match(self, seq: Sequence[int] | np.ndarray, ends: np.ndarray | None = None) -> tuple[int, int]:
         """``(start, length)``: the longest suffix of ``seq`` ``[N]`` that also occurs earlier
         (ending before the last token), most recent first among equals; ``start`` is the index of
         the token that followed that occurrence. ``(0, 0)`` when even the last token never occurred.
+        ``ends`` ``[C]``: the earlier positions of the last token, ascending, when already known.
         """
         a = np.asarray(seq)
         n = a.shape[0]
         if n < 2:
             return 0, 0
-        ends = np.flatnonzero(a[:-1] == a[-1])  # [C] candidate occurrences, by their last index
+        if ends is None:
+            ends = np.flatnonzero(a[:-1] == a[-1])  # [C] candidate occurrences, by their last index
         if ends.size == 0:
             return 0, 0
         # Compare every candidate with the suffix at all offsets at once ([C, L] booleans) and

@@ -13,6 +13,7 @@ explicitly: ``truncate`` sets the row's length back and the next write overwrite
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Literal, Protocol, runtime_checkable
 
@@ -58,9 +59,12 @@ class KVModel(Protocol):
         """Roll back: row ``rows[i]`` keeps its first ``lengths[i]`` tokens (``[n]`` int64, or ints)."""
 
 
+@functools.lru_cache(maxsize=64)
 def logit_rows(n: int, t: int, logits: LogitsMode) -> torch.Tensor:
     """Indices ``[R]`` int64 into the ``n * t`` flattened tokens of an ``[n, t]`` call whose logits
-    ``logits`` asks for: all of them, each row's last, or none (the C++ kernel's ``logit_rows``)."""
+    ``logits`` asks for: all of them, each row's last, or none (the C++ kernel's ``logit_rows``).
+
+    Built once per call shape and shared: read it, never write it (every decoding step asks)."""
     if logits == "all":
         return torch.arange(n * t)
     if logits == "last":

@@ -180,12 +180,6 @@ def _interleave_pairs(weight: torch.Tensor) -> None:
     weight.copy_(weight.view(n // 2, 2, k // c, c).transpose(1, 2).reshape(n, k).clone())
 
 
-@functools.lru_cache(maxsize=64)
-def _logit_rows(n: int, t: int, logits: LogitsMode) -> torch.Tensor:
-    """:func:`~verispec.models.base.logit_rows`, built once per call shape (the kernel only reads it)."""
-    return logit_rows(n, t, logits)
-
-
 def _plain_rows(weight: torch.Tensor) -> torch.Tensor:
     """A row-major copy ``[N, K]`` of a pair-interleaved ``weight`` (the inverse of ``_interleave_pairs``)."""
     n, k = weight.shape
@@ -288,12 +282,10 @@ class FastLlama:
         self._head_dim = weights["cos"].shape[1]
         self._capacity = 0
         self._batch = 0
-        self._len_np = np.zeros(0, dtype=np.int64)
-        """Tokens held per slot; ``_lengths`` is the same memory as a tensor. Each decoding step reads
-        and writes it through numpy: a dozen small torch operations per step cost 0.2-0.4 ms here,
-        most of it cache misses, since the forward before them has streamed the weights through
-        every cache level."""
-        self._lengths = torch.from_numpy(self._len_np)
+        self._lengths = np.zeros(0, dtype=np.int64)
+        """Tokens held per slot, in numpy: each decoding step reads and writes it, and a dozen small
+        torch operations per step cost 0.2-0.4 ms here, most of it cache misses, since the forward
+        before them has streamed the weights through every cache level."""
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
         self._kernel: Any = None
@@ -447,7 +439,7 @@ class FastLlama:
     @property
     def lengths(self) -> torch.Tensor:
         """Tokens held per row, ``[batch_size]`` int64 on the CPU (a copy)."""
-        return self._lengths[: self._batch].clone()
+        return torch.from_numpy(self._lengths[: self._batch].copy())
 
     def reset(self, batch_size: int) -> None:
         """Empty every row; grows the ``[B, H_kv, S, D]`` caches when ``batch_size`` exceeds them.
@@ -470,8 +462,7 @@ class FastLlama:
             if self._kernel is not None:
                 self._kernel.set_cache(self.k_cache, self.v_cache)
         self._batch = batch_size
-        self._len_np = np.zeros(self._capacity, dtype=np.int64)
-        self._lengths = torch.from_numpy(self._len_np)
+        self._lengths = np.zeros(self._capacity, dtype=np.int64)
 
     def weight_bytes(self) -> int:
         """Bytes of the weights one decode step reads (a tied head counts once; RoPE tables excluded)."""
@@ -487,9 +478,9 @@ class FastLlama:
         new = np.asarray(lengths, dtype=np.int64).reshape(-1)  # a CPU tensor's memory, no copy
         if new.size != idx.size:
             raise ValueError(f"{new.size} lengths for {idx.size} rows")
-        if (new < 0).any() or (new > self._len_np[idx]).any():
+        if (new < 0).any() or (new > self._lengths[idx]).any():
             raise ValueError("truncate can only shorten rows")
-        self._len_np[idx] = new
+        self._lengths[idx] = new
 
     supports_tree = True
     """``forward`` takes ``offsets``: it can verify a tree of drafts in one call."""
@@ -521,7 +512,7 @@ class FastLlama:
         if ids.dim() != 2 or ids.shape[0] != rows_np.size:
             raise ValueError(f"input_ids must be [{rows_np.size}, T], got {tuple(ids.shape)}")
         n, T = ids.shape
-        starts_np = self._len_np[rows_np]  # [n], a copy
+        starts_np = self._lengths[rows_np]  # [n], a copy
         if T == 0:
             return None if logits == "none" else self._empty_logits(n, logits)
         if int(starts_np.max()) + T > self.max_length:
@@ -551,7 +542,7 @@ class FastLlama:
         if self._record_hidden and self.last_hidden is not None:
             for i, (row, start) in enumerate(zip(idx.tolist(), starts.tolist())):
                 self.hidden_by_row[row] = (start, self.last_hidden[i])
-        self._len_np[rows_np] = starts_np + T
+        self._lengths[rows_np] = starts_np + T
         return out
 
     __call__ = forward
@@ -579,7 +570,7 @@ class FastLlama:
     # ---------------------------------------------------------------------------------- internals
 
     def _row_array(self, rows: list[int] | None) -> np.ndarray:
-        """Validated row indices ``[n]`` int64 (all rows when None), as numpy (see ``_len_np``)."""
+        """Validated row indices ``[n]`` int64 (all rows when None), as numpy (see ``_lengths``)."""
         if rows is None:
             return np.arange(self._batch, dtype=np.int64)
         if isinstance(rows, list):  # every step's case, checked on Python ints
@@ -613,7 +604,7 @@ class FastLlama:
         first = starts.numpy()[:, None]  # [n, 1]
         pos = torch.from_numpy((first + np.arange(T)).reshape(-1))  # [n*T]
         slots = torch.from_numpy(np.repeat(idx.numpy(), T))  # [n*T]
-        wanted = _logit_rows(n, T, logits)
+        wanted = logit_rows(n, T, logits)
         flat = ids.reshape(-1).contiguous()
         ctx = None if offsets is None else torch.from_numpy((first + offsets.numpy()).reshape(-1))  # [n*T]
         out = self._threads.run(lambda: self._kernel.forward(flat, slots, pos, wanted, ctx), tokens=n * T)
