@@ -416,7 +416,10 @@ def _int16_activation_linear(
     max |x| / 32767 (ties to even), exact integer dot products with weight ``[N, K]`` int8, then
     both scales (in float64, as the kernel) and the bias; ``[M, N]`` float32."""
     amax = x.abs().amax(-1, keepdim=True)
-    q = torch.round(x * torch.where(amax > 0, 32767.0 / amax, 0.0))
+    # A tensor over a tensor: torch may compute a Python scalar over a tensor as the scalar times
+    # the reciprocal, 1 ulp away from the kernel's correctly rounded division.
+    inv = torch.full_like(amax, 32767.0) / amax
+    q = torch.round(x * torch.where(amax > 0, inv, 0.0))
     y = (q.double() @ weight.double().T) * (amax / 32767.0).double() * scale.double()
     return y.float() + bias
 
@@ -441,6 +444,29 @@ def test_int8_kernel_linear_is_exact_integer_products_of_int16_activations(K: in
     assert not torch.allclose(got[1], floats[1], rtol=1e-6, atol=1e-6)
     others = [0, 2, 3, 4]  # rows without outliers lose almost nothing
     torch.testing.assert_close(got[others], floats[others], rtol=1e-3, atol=1e-3)
+
+
+@requires_kernel
+@pytest.mark.parametrize("K", [96, 4112])  # one integer chunk; two (4096 + 16)
+def test_int8_kernel_linear_on_paired_weights_is_the_same_exact_product(K: int) -> None:
+    """Pair-interleaved int8 weights meet 2-6 input rows per pass in tiles of two pairs (four weight
+    rows, their sums leaving the registers together) and single pairs where a block has only one
+    left; every row count and block remainder gives the exact integer product, bitwise."""
+    from verispec.models.fast_llama import _interleave_pairs, _load_kernel
+
+    kernel = _load_kernel().FastLlamaKernel(8, 1, 1, 8, 8, 1e-5)
+    g = torch.Generator().manual_seed(15)
+    for n in (6, 14, 20):  # blocks of 8 rows: 6 = a two-pair tile and a pair; 20 = 8 + 8 + 4
+        q, scale = _quantize_rows(torch.randn(n, K, generator=g))
+        bias = torch.randn(n, generator=g)
+        paired = q.clone()
+        _interleave_pairs(paired)
+        assert not torch.equal(paired, q)
+        for m in (1, 2, 3, 4, 5, 6, 7, 9, 13):  # passes of up to 6 rows: 7 = 4 + 3, 13 = 6 + 6 + 1
+            x = torch.randn(m, K, generator=g)
+            want = _int16_activation_linear(x, q, bias, scale)
+            assert torch.equal(kernel.linear(x, paired, bias, scale, paired=True), want), (n, m)
+            assert torch.equal(kernel.linear(x, q, bias, scale), want), (n, m)
 
 
 def test_weights_on_huge_pages_where_the_os_allows() -> None:
