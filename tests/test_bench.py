@@ -35,7 +35,17 @@ def prompts_file(tmp_path: Path) -> Path:
     return path
 
 
-def test_bench_writes_results_table_and_plots(tiny_model_folder, prompts_file, tmp_path, capsys):
+def test_bench_writes_results_table_and_plots(tiny_model_folder, prompts_file, tmp_path, capsys, monkeypatch):
+    import verispec.bench.cli as bench_cli
+
+    measured = bench_cli.verify_costs
+    readings = iter([3.0, 1.2, 1.1])  # v(5) before the run, then after each of the two prompts
+
+    def verify_costs(model, widths, *args, **kwargs):
+        costs = measured(model, widths, *args, **kwargs)
+        return {**costs, 5: next(readings)}
+
+    monkeypatch.setattr(bench_cli, "verify_costs", verify_costs)
     out = tmp_path / "out"
     code = main([
         "bench", "--model", str(tiny_model_folder), "--prompts", str(prompts_file), "--max-new-tokens", "8",
@@ -58,6 +68,11 @@ def test_bench_writes_results_table_and_plots(tiny_model_folder, prompts_file, t
     assert len(samples["during"]) == 2  # one reading after each prompt
     every = [samples["before"], *samples["during"], samples["after"]]
     assert results["memory_bandwidth_bytes_per_second"] == pytest.approx(sum(every) / len(every))
+    # the verify cost too is read again after each prompt; the ratio is the median of the readings
+    verify = results["by_dtype"]["float32"]["verify_cost_ratio_samples"]
+    assert verify == {"before": 3.0, "during": [1.2, 1.1]}
+    assert results["verify_cost_ratio"] == 1.2
+    assert "median of 3 readings through the run, 1.10-3.00" in (out / "results.md").read_text()
     rows = results["rows"]
     for row in rows:
         assert ROW_FIELDS <= set(row), ROW_FIELDS - set(row)

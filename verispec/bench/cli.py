@@ -336,6 +336,15 @@ def run(args: argparse.Namespace) -> int:
     say(f"running {len(configs)} configurations on {len(prompts)} prompts, interleaved")
     started = time.time()
     bandwidth_during: list[float] = []
+    # The verify cost is read again after every prompt, like the bandwidth: one reading before the
+    # run swung with the machine's state (float32 0.97-1.39 across runs of the same code).
+    verify_during: dict[str, list[float]] = {d: [] for d in targets}
+
+    def between_prompts() -> None:
+        bandwidth_during.append(memory_bandwidth(reps=3, probe=probe))
+        for d, t in targets.items():
+            verify_during[d].append(verify_costs(t, [5], reps=3)[5])
+
     results = run_interleaved(
         configs,
         runners,
@@ -343,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
         req,
         warmup=Sampling(min(8, args.max_new_tokens), sampling, args.seed),
         progress=not args.no_progress,
-        between_prompts=lambda: bandwidth_during.append(memory_bandwidth(reps=3, probe=probe)),
+        between_prompts=between_prompts,
         repeats=args.repeats,
     )
     rows = aggregate(
@@ -374,7 +383,9 @@ def run(args: argparse.Namespace) -> int:
             "plain_tokens_per_second": plain["tokens_per_second"],
             "plain_decode_tokens_per_second": plain["decode_tokens_per_second"],
             "plain_fraction_of_bound": plain["decode_tokens_per_second"] / bound if bound else None,
-            "verify_cost_ratio": costs[d][5] / costs[d][1] if 5 in costs[d] else None,
+            # The median of every reading: before the run (9 rounds) and after each prompt (3).
+            "verify_cost_ratio": statistics.median([costs[d][5], *verify_during[d]]),
+            "verify_cost_ratio_samples": {"before": costs[d][5], "during": verify_during[d]},
             "verify_cost_by_tokens": {str(k): v for k, v in costs[d].items()},
             "draft_cost": {m: c for (m, dd), c in draft_cost.items() if dd == d},
         }

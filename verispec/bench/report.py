@@ -36,14 +36,15 @@ def markdown(results: dict) -> str:
         f"bandwidth bound {results['bandwidth_bound_tokens_per_second']:.1f} tokens/s "
         f"({results['weight_bytes_per_token'] / 2**20:.0f} MiB of weights per token)",
         f"- verify_cost_ratio (forward over 5 new tokens / 1, at 200 cached) "
-        f"{_fmt(results['verify_cost_ratio'])}",
+        f"{_fmt(results['verify_cost_ratio'])}"
+        f"{_verify_samples(next(iter(results.get('by_dtype', {}).values()), {}))}",
     ]
     for dtype, d in results.get("by_dtype", {}).items():
         lines.append(
             f"- {dtype}: bound {d['bandwidth_bound_tokens_per_second']:.1f} tokens/s, plain decoding "
             f"{_fmt(d.get('plain_decode_tokens_per_second'), '.1f')} tokens/s decode-only "
             f"({_fmt(d.get('plain_fraction_of_bound'), '.0%')} of the bound), verify_cost_ratio "
-            f"{_fmt(d['verify_cost_ratio'])}"
+            f"{_fmt(d['verify_cost_ratio'])}{_verify_samples(d)}"
         )
     mem = results.get("memory_bytes") or {}
     if mem:
@@ -296,6 +297,16 @@ def goals_markdown(checks: list[dict]) -> str:
             f"| {c['goal']} | {c['value']} | {'-' if c['met'] is None else ('yes' if c['met'] else 'NO')} |"
         )
     return "\n".join(lines)
+
+
+def _verify_samples(by_dtype: dict) -> str:
+    """`` (median of 27 readings, 1.02-1.21)`` for a weight format's verify-cost readings, if recorded
+    (results before session 9 have one reading, taken before the run)."""
+    samples = by_dtype.get("verify_cost_ratio_samples")
+    if not samples:
+        return ""
+    every = [samples["before"], *samples.get("during", [])]
+    return f" (median of {len(every)} readings through the run, {min(every):.2f}-{max(every):.2f})"
 
 
 def _samples(samples: dict | None) -> str:
