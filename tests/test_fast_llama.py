@@ -469,6 +469,29 @@ def test_int8_kernel_linear_on_paired_weights_is_the_same_exact_product(K: int) 
             assert torch.equal(kernel.linear(x, q, bias, scale), want), (n, m)
 
 
+@requires_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float_kernel_linear_on_paired_weights_is_bitwise_the_row_major_one(dtype: torch.dtype) -> None:
+    """Pair-interleaved float32 weights meet 5-6 input rows in tiles of two pairs; every output
+    element keeps the row-major tile's chain of products, so for any row count and block remainder
+    the product is bitwise the same."""
+    from verispec.models.fast_llama import _interleave_pairs, _load_kernel
+
+    kernel = _load_kernel().FastLlamaKernel(8, 1, 1, 8, 8, 1e-5)
+    g = torch.Generator().manual_seed(16)
+    for n in (6, 14, 20):
+        w = torch.randn(n, 104, generator=g).to(dtype)
+        bias = torch.randn(n, generator=g)
+        paired = w.clone()
+        _interleave_pairs(paired)
+        assert not torch.equal(paired, w)
+        for m in (1, 2, 3, 4, 5, 6, 7, 9, 13):
+            x = torch.randn(m, 104, generator=g)
+            want = kernel.linear(x, w, bias, None)
+            torch.testing.assert_close(want, x @ w.float().T + bias, rtol=1e-5, atol=1e-5)
+            assert torch.equal(kernel.linear(x, paired, bias, None, paired=True), want), (n, m)
+
+
 def test_weights_on_huge_pages_where_the_os_allows() -> None:
     """The matrices move into one 2 MB-aligned buffer (Linux with THP) and the model is unchanged."""
     from verispec.models.pages import HUGE_PAGE, huge_page_bytes
