@@ -33,7 +33,10 @@ in the same minute); bfloat16 11.5 / 15.4 (compute-bound beyond one token: widen
 instructions per 8 weights); int8 then 6.8 / 13.8, and since session 5, with int16 activations and
 integer products, 7.4-8.3 / 10.8-13.1 in runs interleaved with the old build's 8.2-8.3 / 18.0-24.3.
 Before (L1 prefetch every 32 bytes, same script, same hour): float32 36.1 / 40.2, bfloat16 22.6 /
-28.4, int8 10.1 / 15.4. Earlier, HF eager 66 / 107 and the torch path float32 63 / 75.
+28.4, int8 10.1 / 15.4. Earlier, HF eager 66 / 107 and the torch path float32 63 / 75. Session 9
+(tiles of two weight pairs in all 32 AVX-512 registers, context 200, a slow-memory phase): int8
+5.2-6.3 / 6.7-8.1, float32 17.5-20.3 / 20.1-23.5. In the machine's fast-memory phases one token
+gets faster and five do not: float32 about 12 / 16-17.6, int8 5.0 / 8.6 (benchmarks/README.md).
 
 Weight formats (``DTYPES``): int8 is symmetric with one float32 scale per weight row; on the
 kernel path it multiplies activations quantised per row to int16 (see the C++ source), which left
