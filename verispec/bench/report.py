@@ -300,8 +300,8 @@ def goals_markdown(checks: list[dict]) -> str:
 
 
 def _verify_samples(by_dtype: dict) -> str:
-    """`` (median of 27 readings, 1.02-1.21)`` for a weight format's verify-cost readings, if recorded
-    (results before session 9 have one reading, taken before the run)."""
+    """`` (median of 27 readings through the run, 1.02-1.21)`` for a weight format's verify-cost
+    readings, if recorded (results before session 9 have one reading, taken before the run)."""
     samples = by_dtype.get("verify_cost_ratio_samples")
     if not samples:
         return ""
