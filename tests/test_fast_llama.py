@@ -472,9 +472,9 @@ def test_int8_kernel_linear_on_paired_weights_is_the_same_exact_product(K: int) 
 @requires_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_float_kernel_linear_on_paired_weights_is_bitwise_the_row_major_one(dtype: torch.dtype) -> None:
-    """Pair-interleaved float32 weights meet 5-6 input rows in tiles of two pairs; every output
-    element keeps the row-major tile's chain of products, so for any row count and block remainder
-    the product is bitwise the same."""
+    """Pair-interleaved float32 and bfloat16 weights meet 5-6 input rows in tiles of two pairs;
+    every output element keeps the row-major tile's chain of products, so for any row count and
+    block remainder the product is bitwise the same."""
     from verispec.models.fast_llama import _interleave_pairs, _load_kernel
 
     kernel = _load_kernel().FastLlamaKernel(8, 1, 1, 8, 8, 1e-5)

@@ -435,18 +435,19 @@ inline __m256 fma_reg(__m256 x, __m256 w, __m256 acc) {
   return acc;
 }
 
-// `tile` for two pairs of pair-interleaved float32 rows (4 weight rows: w and w + 2K) and MR >= 2
-// input rows: MR x 4 accumulators in AVX-512VL's 32 registers, each input vector loaded once for 4
-// products. Every output is the same chain as in `tile` (fma over k in steps of 8, hsum, scale,
-// bias), so the results are bitwise the same. One thread, float32 weights from L2, GMAC/s, old ->
-// new: 2 rows 26 -> 34, 5 rows 35 -> 48-50, 9 rows 31-36 -> 42-51 (used for 5 or more: below).
-template <int MR>
-inline void tile2p(const float* x, int64_t ldx, const float* w, int64_t K, const float* scale,
+// `tile` for two pairs of pair-interleaved float32 or bfloat16 rows (4 weight rows: w and w + 2K)
+// and MR >= 2 input rows: MR x 4 accumulators in AVX-512VL's 32 registers, each input vector loaded
+// once for 4 products. Every output is the same chain as in `tile` (fma over k in steps of 8, hsum,
+// scale, bias), so the results are bitwise the same. One thread, float32 weights from L2, GMAC/s,
+// old -> new: 2 rows 26 -> 34, 5 rows 35 -> 48-50, 9 rows 31-36 -> 42-51 (used for 5 or more:
+// below).
+template <int MR, typename WT>
+inline void tile2p(const float* x, int64_t ldx, const WT* w, int64_t K, const float* scale,
                    const float* bias, float* y, int64_t ldy, bool accumulate, int64_t pf) {
-  constexpr int64_t C = kPairChunk<float>;
-  constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(float));
-  const float* p0 = w;
-  const float* p1 = w + 2 * K;
+  constexpr int64_t C = kPairChunk<WT>;
+  constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(WT));
+  const WT* p0 = w;
+  const WT* p1 = w + 2 * K;
   __m256 acc[MR][4];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
@@ -489,14 +490,14 @@ inline void tile_rows(const float* x, int64_t ldx, const WT* w, int64_t K, int64
   int64_t j = 0;
   if (paired) {  // pair p starts where row 2p would (p * 2K)
 #if defined(__AVX512VL__)
-    // Five or more float32 rows only (bfloat16: not measured, left as is). All of the model's
-    // matrices, 2 threads, min / median of 8 alternating rounds, ms: 5 rows 19.0 / 20.6 -> 15.9 /
-    // 19.5, 9 rows 24.8 / 26.9 -> 21.1 / 25.5; 2 rows 15.3 / 19.9 -> 17.3 / 21.1 and 3-4 rows
-    // within 1-6% either way (reading the weights from memory, two streams at once cost what the
-    // arithmetic saved).
-    if constexpr (MR >= 5 && std::is_same_v<WT, float>) {
+    // Five or more rows only. All of the model's matrices, 2 threads, min / median of 8
+    // alternating rounds, ms: float32 5 rows 19.0 / 20.6 -> 15.9 / 19.5, 9 rows 24.8 / 26.9 -> 21.1
+    // / 25.5; 2 rows 15.3 / 19.9 -> 17.3 / 21.1 and 3-4 rows within 1-6% either way (reading the
+    // weights from memory, two streams at once cost what the arithmetic saved). bfloat16: 5 rows
+    // 16.5 / 16.8 -> 14.3 / 14.6, 9 rows 25.8 / 26.5 -> 23.3 / 24.5 (2-4 rows not measured).
+    if constexpr (MR >= 5) {
       for (; j + 4 <= nr; j += 4)
-        tile2p<MR>(x, ldx, w + j * K, K, scale ? scale + j : nullptr, bias ? bias + j : nullptr,
+        tile2p<MR, WT>(x, ldx, w + j * K, K, scale ? scale + j : nullptr, bias ? bias + j : nullptr,
                    y + j, ldy, acc, pf);
     }
 #endif
