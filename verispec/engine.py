@@ -226,7 +226,7 @@ class Engine:
             target_probs = logits_to_probs(logits, params)
             if draft_probs is not None:
                 draft_probs = draft_probs.to(target_probs.dtype)
-            limits = torch.tensor(drafted, dtype=torch.int64)
+            limits = torch.zeros(len(seqs), dtype=torch.int64) if num_draft is None else num_draft
             verdict = rejection_sample(draft_tokens, draft_probs, target_probs, limits, gens)
             accepted = verdict.num_accepted.tolist()
             emitted = [tokens[: a + 1] for tokens, a in zip(verdict.tokens.tolist(), accepted)]
