@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from verispec.adaptive import expected_speedup
@@ -18,7 +19,7 @@ from verispec.stats import GenerationStats
 ROW_FIELDS = set(
     "method category num_speculative_tokens prompts new_tokens seconds tokens_per_second "
     "decode_tokens_per_second speedup acceptance_rate mean_accepted_length outputs_match_baseline "
-    "predicted_speedup relative_to_autoregressive".split()
+    "predicted_speedup relative_to_autoregressive speedup_interval".split()
 )
 
 
@@ -92,6 +93,15 @@ def test_bench_writes_results_table_and_plots(tiny_model_folder, prompts_file, t
             assert row["speedup"] == pytest.approx(1.0)
     summ = next(r for r in rows if r["label"] == "prompt-lookup k=3" and r["category"] == "summarization")
     assert summ["prompts"] == 1 and 1 <= summ["new_tokens"] <= 8
+    assert summ["speedup_interval"] is None  # one prompt: nothing to resample
+    both = next(r for r in rows if r["label"] == "prompt-lookup k=3" and r["category"] == "all")
+    lo, hi = both["speedup_interval"]  # two prompts: the interval spans both prompts' own speedups
+    assert lo - 1e-9 <= both["speedup"] <= hi + 1e-9
+    # every counted run is in the file, so any figure can be recomputed from it
+    runs = [r for r in results["runs"] if r["label"] == "prompt-lookup k=3"]
+    assert [r["category"] for r in runs] == ["summarization", "coding"]
+    assert sum(r["new_tokens"] for r in runs) == both["new_tokens"]
+    assert sum(r["seconds"] for r in runs) == pytest.approx(both["seconds"])
     for name in ("speedup_by_category.png", "acceptance_by_position.png", "speedup_vs_k.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
     goals = {g["goal"]: g for g in results["goals"]}
@@ -218,6 +228,30 @@ def test_tune_bad_input_exits_2(prompts_file, capsys):
     assert "--k-max" in capsys.readouterr().err
 
 
+def test_speedup_interval_is_a_seeded_paired_bootstrap_over_prompts():
+    from verispec.bench.runner import ratio_interval
+
+    tokens, base = [64, 64, 64, 64], [1.0, 2.0, 1.5, 1.0]
+    # Every prompt twice as fast: every draw gives 2, however unequal the prompts' lengths.
+    assert ratio_interval(tokens, [b / 2 for b in base], tokens, base) == pytest.approx((2.0, 2.0))
+    seconds = [0.5, 2.0, 1.5, 1.0]  # only prompt 0 is faster (2x)
+    lo, hi = ratio_interval(tokens, seconds, tokens, base)
+    point = sum(base) / sum(seconds)  # equal tokens: the ratio of the summed seconds
+    assert 1.0 <= lo < point < hi <= 2.0
+    assert ratio_interval(tokens, seconds, tokens, base) == (lo, hi)  # seeded
+    assert ratio_interval(tokens, seconds, tokens, base, level=0.5) != (lo, hi)
+    gen = np.random.default_rng(1)
+    for _ in range(20):  # same tokens (greedy outputs match): every draw lies between the prompts' ratios
+        n = int(gen.integers(2, 9))
+        tok, sec, bsec = (gen.uniform(1, 10, n) for _ in range(3))
+        lo, hi = ratio_interval(tok, sec, tok, bsec)
+        own = bsec / sec
+        assert own.min() - 1e-9 <= lo <= hi <= own.max() + 1e-9
+    assert ratio_interval(tokens[:1], seconds[:1], tokens[:1], base[:1]) is None
+    with pytest.raises(ValueError):
+        ratio_interval(tokens, seconds[:3], tokens, base)
+
+
 def test_goal_faster_format_speculative_against_llama_cpp():
     from verispec.bench.report import goal_checks
     from verispec.bench.runner import ALL
@@ -244,6 +278,41 @@ def test_goal_faster_format_speculative_against_llama_cpp():
     assert checks["int8 plain faster than llama.cpp plain"]["met"] is False
     spec = checks["int8 speculative faster than llama.cpp plain"]
     assert spec["met"] is True and "coding 1.06x" in spec["value"]
+
+
+def test_adaptive_goal_states_the_gap_with_its_interval_over_prompts():
+    """The adaptive row is compared with the best fixed k of the worst category, and the value
+    carries the paired interval of adaptive over that fixed k on that category's prompts."""
+    from verispec.bench.report import goal_checks
+
+    def row(label, k, adaptive, cat, speedup):
+        return {"label": label, "method": "prompt-lookup", "dtype": "float32", "category": cat,
+                "num_speculative_tokens": k, "adaptive": adaptive, "speedup": speedup,
+                "outputs_match_baseline": True}  # fmt: skip
+
+    speedups = {"k=4": (1.2, 1.0, 1.1), "k=8": (1.1, 1.1, 1.1), "k=8 adaptive": (1.2, 0.9, 1.05)}
+    rows = []
+    for name, (a, b, every) in speedups.items():
+        label = f"prompt-lookup {name}"
+        k, adaptive = int(name[2]), name.endswith("adaptive")
+        rows += [row(label, k, adaptive, "a", a), row(label, k, adaptive, "b", b)]
+        rows.append(row(label, k, adaptive, "all", every))
+    # category b's runs, as its rows say: adaptive at 6 / 7.3 = 0.82 of k=8's rate
+    seconds = {"prompt-lookup k=8": [1.0, 2.0, 3.0], "prompt-lookup k=8 adaptive": [1.2, 2.5, 3.6]}
+    runs = [
+        {"label": label, "prompt": i, "category": "b", "new_tokens": 10, "seconds": sec}
+        for label, secs in seconds.items()
+        for i, sec in enumerate(secs)
+    ]
+    results = {"rows": rows, "by_dtype": {}, "runs": runs}
+    check = next(c for c in goal_checks(results) if "within 5%" in c["goal"])
+    assert check["met"] is False
+    assert check["value"].startswith("worst b: 0.82 (") and "(prompt-lookup k=8)" in check["value"]
+    lo, hi = (float(x) for x in check["value"].split("(")[1].split(")")[0].split("-"))
+    assert 0.8 <= lo <= 6 / 7.3 <= hi <= 1 / 1.2  # between the prompts' own ratios (0.8 and 0.83)
+    del results["runs"]  # older result files: the figure without an interval
+    check = next(c for c in goal_checks(results) if "within 5%" in c["goal"])
+    assert check["value"] == "worst b: 0.82 of the best fixed k (prompt-lookup k=8)"
 
 
 def test_repeats_keep_each_configs_fastest_round_in_rotated_orders() -> None:

@@ -364,6 +364,20 @@ def run(args: argparse.Namespace) -> int:
         predict=predict,
     )
 
+    runs = [  # every counted run, so that any figure can be recomputed from the file
+        {
+            "label": cfg.label,
+            "prompt": i,
+            "question_id": prompts[i].question_id,
+            "category": prompts[i].category,
+            "new_tokens": len(run.token_ids),
+            "seconds": run.seconds,
+            "first_token_seconds": run.first_token_seconds,
+        }
+        for cfg in configs
+        for i, run in enumerate(results[cfg])
+    ]
+
     # The machine's bandwidth moves between minutes here (24-64 GB/s on the 2-core EPYC): the bound is
     # taken from the mean of every reading, before the run, after each prompt and after the run,
     # so it follows the machine's state while the runs it is compared with were timed.
@@ -435,6 +449,7 @@ def run(args: argparse.Namespace) -> int:
         "memory_bytes": memory,
         "notes": notes,
         "rows": rows,
+        "runs": runs,
     }
     results_json["goals"] = goal_checks(results_json)
     out.mkdir(parents=True, exist_ok=True)

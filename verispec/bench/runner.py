@@ -8,8 +8,9 @@ of every method on the shortest prompt comes first and is not counted.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+import numpy as np
 from tqdm import tqdm
 
 from verispec.bench.measure import conditional_acceptance, draft_fraction
@@ -18,6 +19,11 @@ from verispec.stats import GenerationStats
 
 ALL = "all"
 """The category name of rows aggregated over every prompt."""
+
+INTERVAL_LEVEL = 0.9
+"""Coverage of the speedup intervals in ``results.json`` (``speedup_interval``)."""
+BOOTSTRAP_DRAWS = 2000
+"""Resamples of the prompts behind each interval."""
 
 
 def run_interleaved(
@@ -69,6 +75,39 @@ def run_interleaved(
     return results
 
 
+def ratio_interval(
+    tokens: Sequence[float],
+    seconds: Sequence[float],
+    base_tokens: Sequence[float],
+    base_seconds: Sequence[float],
+    level: float = INTERVAL_LEVEL,
+    draws: int = BOOTSTRAP_DRAWS,
+    seed: int = 0,
+) -> tuple[float, float] | None:
+    """Paired bootstrap interval of ``sum(tokens)/sum(seconds)`` over ``sum(base_tokens)/sum(base_seconds)``.
+
+    Entry i of each sequence (``[n]``) is prompt i: its new tokens and seconds through a method and
+    through the baseline. Prompts are drawn with replacement, each bringing both of its runs, and the
+    ratio is taken on every draw; the interval is the central ``level`` of those ratios (the
+    percentile bootstrap, Efron and Tibshirani, 1993). It says how far a cell's speedup rests on which
+    prompts it ran, not how noisy the machine was while they ran (each prompt's time is one
+    measurement). None with fewer than two prompts. Seeded: the same runs give the same interval.
+    """
+    n = len(tokens)
+    if not n == len(seconds) == len(base_tokens) == len(base_seconds):
+        raise ValueError("every sequence needs one entry per prompt")
+    if n < 2:
+        return None
+    tok, sec = np.asarray(tokens, dtype=np.float64), np.asarray(seconds, dtype=np.float64)  # [n]
+    base_tok = np.asarray(base_tokens, dtype=np.float64)
+    base_sec = np.asarray(base_seconds, dtype=np.float64)
+    counts = np.random.default_rng(seed).multinomial(n, np.full(n, 1.0 / n), size=draws)  # [draws, n]
+    ratios = (counts @ tok / (counts @ sec)) / (counts @ base_tok / (counts @ base_sec))  # [draws]
+    tail = (1.0 - level) / 2
+    lo, hi = np.quantile(ratios, [tail, 1.0 - tail])
+    return float(lo), float(hi)
+
+
 def _summary(runs: list[RunResult]) -> dict:
     new = sum(len(r.token_ids) for r in runs)
     seconds = sum(r.seconds for r in runs)
@@ -96,9 +135,11 @@ def aggregate(
     """One row per (config, category) and per config over all prompts (category ``"all"``).
 
     ``speedup`` is tokens/s over the config's baseline's (the same engine's plain decoding) on the same
-    prompts; ``relative_to_autoregressive`` is over ``reference`` (our plain decoding). With greedy
-    decoding, ``outputs_match_baseline`` says whether every prompt's tokens equal the baseline's (for
-    plain decoding of other engines and weight formats: equal ``reference``'s); None when sampling.
+    prompts, with ``speedup_interval`` its :func:`ratio_interval` (None for a baseline itself and
+    for a cell of one prompt); ``relative_to_autoregressive`` is over ``reference`` (our plain
+    decoding). With greedy decoding, ``outputs_match_baseline`` says whether every prompt's tokens
+    equal the baseline's (for plain decoding of other engines and weight formats: equal
+    ``reference``'s); None when sampling.
     """
     rows = []
     cats = [*dict.fromkeys(categories), ALL]
@@ -116,14 +157,23 @@ def aggregate(
                 "num_speculative_tokens": cfg.k,
             }
             row.update(_summary(runs))
+            row["speedup_interval"] = None
             for name, other in (("speedup", cfg.baseline), ("relative_to_autoregressive", reference)):
                 if other in results:
-                    ref = _summary([results[other][i] for i in idx])
+                    base_runs = [results[other][i] for i in idx]
+                    ref = _summary(base_runs)
                     row[name] = row["tokens_per_second"] / ref["tokens_per_second"]
                     if name == "speedup":
                         row["decode_speedup"] = (
                             row["decode_tokens_per_second"] / ref["decode_tokens_per_second"]
                         )
+                        if other != cfg:
+                            row["speedup_interval"] = ratio_interval(
+                                [len(r.token_ids) for r in runs],
+                                [r.seconds for r in runs],
+                                [len(r.token_ids) for r in base_runs],
+                                [r.seconds for r in base_runs],
+                            )
                 else:
                     row[name] = None
             stats = [r.stats for r in runs if r.stats is not None]
