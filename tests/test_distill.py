@@ -308,15 +308,23 @@ def test_eagle_feeds_the_targets_recorded_features(use_kernel):
     torch.testing.assert_close(proposer._feature[0], one_shot_feature(model, committed), rtol=tol, atol=tol)
 
 
-def test_draft_on_the_kernel_matches_torch_and_rolls_back_exactly():
-    """The kernel path of a DraftKV (bfloat16 weights) scores like its torch path, and a rejected
-    branch rolled back leaves no trace: re-feeding gives bitwise the one-shot logits and features."""
+@pytest.mark.parametrize("weights", ["bfloat16", "int8"])
+def test_draft_on_the_kernel_matches_torch_and_rolls_back_exactly(weights):
+    """The kernel path of a DraftKV (bfloat16 or int8 weights) scores like its torch path, and a
+    rejected branch rolled back leaves no trace: re-feeding gives bitwise the one-shot logits and
+    features."""
     _, target = _fast_target()
-    model, fast = _eagle(target)
-    if not fast.uses_kernel:
+    model, bf16 = _eagle(target)
+    if not bf16.uses_kernel:
         pytest.skip("the C++ kernel is not available here")
     from verispec.distill.model import DraftKV
 
+    fast = DraftKV(model, max_length=target.max_length, max_batch_size=2, weights=weights)
+    if weights == "int8":  # a byte per weight: the kernel's copies take half of bfloat16's
+        copies = bf16.memory_bytes() - fast.memory_bytes()
+        assert 0.4 * bf16.memory_bytes() > copies > 0
+        with pytest.raises(ValueError):
+            DraftKV(model, weights="float16")
     slow = DraftKV(model, max_length=target.max_length, max_batch_size=2, use_kernel=False)
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 64, (1, 9), generator=gen)

@@ -131,12 +131,12 @@ def test_eagle_reads_the_targets_features_after_steps_it_did_not_draft():
 
 def test_default_drafter_is_lookup_first_over_the_shipped_draft(tmp_path, monkeypatch):
     """No drafter named: LookupFirst over the target's shipped draft; prompt lookup alone when none
-    is shipped for it, or when --prompt-lookup is asked for."""
+    is shipped for it, when --prompt-lookup is asked for, or for an int8 target."""
     from verispec.commands.drafters import build_proposer
     from verispec.distill import shipped
     from verispec.distill.shipped import save_draft, target_id
 
-    _, target = _fast_target()
+    hf, target = _fast_target()
     model, _ = _eagle(target)
     monkeypatch.setattr(shipped, "SHIPPED", tmp_path)
     assert type(build_proposer(target, None, False)) is PromptLookup  # nothing shipped yet
@@ -146,6 +146,13 @@ def test_default_drafter_is_lookup_first_over_the_shipped_draft(tmp_path, monkey
     assert type(build_proposer(target, None, True)) is PromptLookup
     _, other = _fast_target(seed=1)  # another target: the draft is not its own
     assert type(build_proposer(other, None, False)) is PromptLookup
+    from verispec.models.loading import wrap
+
+    int8 = wrap(hf, backend="fast", dtype="int8", max_batch_size=2, max_length=256)
+    assert target_id(int8) == target_id(target)  # the draft is its own, yet lookup alone pays more
+    assert type(build_proposer(int8, None, False)) is PromptLookup
+    named = build_proposer(int8, "default", False)  # still there when asked for, in int8 itself
+    assert isinstance(named, EagleProposer) and named.draft.weights == "int8"
 
 
 def test_eagle_token_seconds_leaves_the_proposer_alone():

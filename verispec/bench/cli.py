@@ -284,9 +284,14 @@ def run(args: argparse.Namespace) -> int:
             )
         elif draft is not None:  # an EAGLE head reads the hidden states of the target it drafts for
             from verispec.distill.eagle import EagleProposer
+            from verispec.distill.model import DraftKV
+            from verispec.distill.shipped import draft_weights_for
 
+            kv, weights = draft.draft, draft_weights_for(targets[d])
+            if kv.weights != weights:  # the format load_draft would have chosen for this target
+                kv = DraftKV(kv.model, kv.tokenizer, max_length=kv.max_length, weights=weights)
             proposers[("draft-model", d, False)] = proposers[("draft-model", d, True)] = EagleProposer(
-                targets[d], draft.draft
+                targets[d], kv
             )
         proposers[("prompt-lookup", d, False)] = proposers[("prompt-lookup", d, True)] = lookup
         if draft is not None:  # the default drafter: lookup first, the draft where lookup has nothing

@@ -27,11 +27,15 @@ def build_proposer(
     ``--draft-model default`` is the trained draft shipped for the target. With no drafter named, the
     default drafter is :class:`~verispec.lookup_first.LookupFirst` over the shipped draft (prompt
     lookup where it has a good match, the trained draft elsewhere), or prompt lookup alone for a
-    target with no shipped draft (benchmarks/DRAFTS.md has the measurements behind this choice).
+    target with no shipped draft and for an int8 target (:func:`lookup_alone_pays`;
+    benchmarks/DRAFTS.md has the measurements behind these choices).
     """
     from verispec.models.loading import load_model, load_tokenizer
 
     if prompt_lookup:
+        return PromptLookup()
+    if draft_model is None and lookup_alone_pays(target):
+        log.info("int8 target: drafting by prompt lookup alone (a draft model costs more than it saves)")
         return PromptLookup()
     if draft_model is None:
         shipped = default_draft_for(target, max_batch_size=max_batch_size)
@@ -61,6 +65,16 @@ def build_proposer(
         device=str(getattr(target, "device", "cpu")),  # the draft runs where the target does
     )
     return make_proposer(target, draft, max_batch_size=max_batch_size)
+
+
+def lookup_alone_pays(target: KVModel) -> bool:
+    """Whether prompt lookup alone beats lookup first with the shipped draft behind it: for an int8
+    target. Its steps cost a third of float32's, so each draft token of the shipped head costs 0.17
+    of one (0.23 with the head's weights in bfloat16; float32 target: 0.08), more than the head's
+    tokens save. Side by side on Spec-Bench (greedy, session 10), lookup first ran at 0.95-0.98 of
+    lookup alone's speed in five runs on an int8 target (0.96 with the head in int8), and at
+    1.08-1.21 of it in four on float32 (benchmarks/DRAFTS.md)."""
+    return getattr(target, "dtype", None) == "int8"
 
 
 def default_draft_for(target: KVModel, max_batch_size: int = 1) -> Proposer | None:

@@ -246,10 +246,14 @@ class DraftKV:
         max_length: int = 2048,
         max_batch_size: int = 1,
         use_kernel: bool | None = None,
+        weights: str = "bfloat16",
     ):
         """``use_kernel``: None = run on the C++ kernel when the model is on a CPU and the kernel
         builds (and ``VERISPEC_NO_KERNEL`` is unset); False = torch operations only. The kernel holds
-        a copy of the weights as they are now: make a new ``DraftKV`` after changing them."""
+        a copy of the weights as they are now: make a new ``DraftKV`` after changing them.
+        ``weights``: the format of that copy, one of :data:`KERNEL_WEIGHTS`."""
+        if weights not in KERNEL_WEIGHTS:
+            raise ValueError(f"weights must be one of {KERNEL_WEIGHTS}, not {weights!r}")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_length = int(max_length)
@@ -260,15 +264,16 @@ class DraftKV:
         self.v_cache: list[torch.Tensor] = []
         self.last_features: torch.Tensor | None = None
         """The last forward's output features ``[n, T, hidden]`` (before the final norm)."""
-        self._kernel, self._kernel_weights = None, []
+        self.weights = weights
+        self._kernel: object | None = None
+        self._mats: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        """The kernel's copies of the matrices, ``name -> (weight [N, K], per-row scales [N] for int8
+        or None)``; "head" is the output head, "fc" EAGLE's ``fc`` ``[hidden, 2 hidden]`` (in torch,
+        float32, it took about half of each draft forward)."""
         if use_kernel is not False:
-            self._kernel, self._kernel_weights = _draft_kernel(model, self.max_length)
-        self._fc: torch.Tensor | None = None
-        """EAGLE's ``fc`` ``[hidden, 2 hidden]`` as ``KERNEL_DTYPE`` for the kernel's ``linear``: in
-        torch, float32, it took about half of each draft forward."""
+            self._kernel, self._mats = _draft_kernel(model, self.max_length, weights)
         if self._kernel is not None and model.fc is not None:
-            self._fc = model.fc.weight.detach().float().to(KERNEL_DTYPE).contiguous()
-            self._kernel_weights.insert(0, self._fc)  # counted by memory_bytes; the head stays last
+            self._mats["fc"] = _kernel_matrix(weights, model.fc.weight)
         self._tuners: defaultdict[str, ThreadTuner] = defaultdict(ThreadTuner)
         """Thread count of the kernel's calls from measured times (as the target's), one tuner per
         kind of call ("layers", "head", "fc"): their costs are on different scales."""
@@ -287,7 +292,8 @@ class DraftKV:
     def memory_bytes(self) -> int:
         """Bytes of the draft's own weights and caches (shared target tensors not counted)."""
         own = sum(p.numel() * p.element_size() for p in self.model.layers.parameters())
-        own += sum(t.numel() * t.element_size() for t in self._kernel_weights)  # the kernel's copies
+        for mat in self._mats.values():  # the kernel's copies: weights and int8 scales
+            own += sum(t.numel() * t.element_size() for t in mat if t is not None)
         if self.model.fc is not None:
             own += self.model.fc.weight.numel() * self.model.fc.weight.element_size()
         if self.model.vocab_ids is not None:
@@ -370,9 +376,10 @@ class DraftKV:
         """The forward on the kernel: first-layer inputs ``[n, T, hidden]`` from torch (embeddings,
         EAGLE's ``fc``), then one call for the layers and the head."""
         n, t = ids.shape
-        if self._fc is not None:
+        if "fc" in self._mats:
             pair = self.model.pairs(ids, features).float().reshape(n * t, -1).contiguous()  # [n*T, 2 hidden]
-            x = self._tuners["fc"].run(lambda: self._kernel.linear(pair, self._fc, None, None), tokens=n * t)
+            fc, fc_scale = self._mats["fc"]
+            x = self._tuners["fc"].run(lambda: self._kernel.linear(pair, fc, None, fc_scale), tokens=n * t)
         else:
             x = self.model.inputs(ids, features).float().reshape(n * t, -1).contiguous()  # [n*T, hidden]
         wanted = logit_rows(n, t, logits)
@@ -401,8 +408,8 @@ class DraftKV:
         if self._kernel is not None:
             lead = features.shape[:-1]
             normed = m._norm(features.float(), m.norm.float()).reshape(-1, m.cfg.hidden_size).contiguous()
-            head = self._kernel_weights[-1]  # [draft_vocab, hidden], KERNEL_DTYPE
-            scores = self._tuners["head"].run(lambda: self._kernel.linear(normed, head, None, None))
+            head, head_scale = self._mats["head"]  # [draft_vocab, hidden]
+            scores = self._tuners["head"].run(lambda: self._kernel.linear(normed, head, None, head_scale))
             return scores.view(*lead, -1)
         return m.scores(features).float()  # [..., draft_vocab]
 
@@ -418,19 +425,33 @@ class DraftKV:
     __call__ = forward
 
 
-KERNEL_DTYPE = torch.bfloat16
-"""Weight format of a draft on the C++ kernel: half of float32's bytes to read per draft token, and
-bfloat16 weights change the target's own top-1 token at 0.5% of positions (``fast_llama.py``)."""
+KERNEL_WEIGHTS = ("bfloat16", "int8")
+"""Weight formats of a draft on the C++ kernel. bfloat16 (the default) reads half of float32's bytes
+per draft token and changes the target's own top-1 token at 0.5% of positions (``fast_llama.py``);
+int8 (per-row scales, as the target's int8 format) halves them again, for an int8 target, whose
+steps are cheap enough that the draft's reads weigh (benchmarks/DRAFTS.md, session 10)."""
 
 
-def _draft_kernel(model: DraftLM, max_length: int) -> tuple[object | None, list[torch.Tensor]]:
-    """A ``FastLlamaKernel`` running ``model``'s layers, final norm and head (``KERNEL_DTYPE`` copies),
-    fed with first-layer inputs (``forward_hidden``), and the copied matrices (the head last); ``(None,
-    [])`` when the model is not on a CPU or the kernel is unavailable."""
+def _kernel_matrix(weights: str, *ts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``ts`` stacked by rows ``[N, K]`` in ``weights``, with per-row scales ``[N]`` for int8."""
+    full = torch.cat([t.detach().float() for t in ts])
+    if weights == "int8":
+        from verispec.models.fast_llama import _quantize_rows
+
+        return _quantize_rows(full)
+    return full.to(torch.bfloat16).contiguous(), None
+
+
+def _draft_kernel(
+    model: DraftLM, max_length: int, weights: str = "bfloat16"
+) -> tuple[object | None, dict[str, tuple[torch.Tensor, torch.Tensor | None]]]:
+    """A ``FastLlamaKernel`` running ``model``'s layers, final norm and head (copies in ``weights``),
+    fed with first-layer inputs (``forward_hidden``), and the copied matrices by name (see
+    ``DraftKV._mats``); ``(None, {})`` when the model is not on a CPU or the kernel is unavailable."""
     from verispec.models.fast_llama import _load_kernel, kernel_available
 
     if model.norm.device.type != "cpu" or not kernel_available():
-        return None, []
+        return None, {}
     cfg = model.cfg
     k = _load_kernel().FastLlamaKernel(
         cfg.hidden_size,
@@ -440,24 +461,28 @@ def _draft_kernel(model: DraftLM, max_length: int) -> tuple[object | None, list[
         cfg.intermediate_size,
         cfg.rms_norm_eps,
     )
-    copies: list[torch.Tensor] = []
+    mats: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
-    def w(*ts: torch.Tensor) -> torch.Tensor:
-        copies.append(torch.cat([t.detach().float() for t in ts]).to(KERNEL_DTYPE).contiguous())
-        return copies[-1]
+    def w(name: str, *ts: torch.Tensor) -> torch.Tensor:
+        mats[name] = _kernel_matrix(weights, *ts)
+        return mats[name][0]
+
+    def sc(name: str) -> torch.Tensor | None:
+        return mats[name][1]
 
     def vec(t: torch.Tensor) -> torch.Tensor:
         return t.detach().float().contiguous()
 
-    for layer in model.layers:
+    for i, layer in enumerate(model.layers):
+        qkv, o, gu, down = (f"{i}.{m}" for m in ("qkv", "o", "gu", "down"))
         k.add_layer(
-            vec(layer.in_norm), w(layer.q.weight, layer.k.weight, layer.v.weight), None, w(layer.o.weight),
-            None, vec(layer.post_norm), w(layer.gate.weight, layer.up.weight), w(layer.down.weight),
-            None, None, None, None,
+            vec(layer.in_norm), w(qkv, layer.q.weight, layer.k.weight, layer.v.weight), None,
+            w(o, layer.o.weight), None, vec(layer.post_norm), w(gu, layer.gate.weight, layer.up.weight),
+            w(down, layer.down.weight), sc(qkv), sc(o), sc(gu), sc(down),
         )  # fmt: skip
-    k.set_head(None, vec(model.norm), w(model.head), None, None)
+    k.set_head(None, vec(model.norm), w("head", model.head), None, sc("head"))
     freqs = torch.arange(max_length, dtype=torch.float32)[:, None] * model.inv_freq.float()[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)  # [S, head_dim], as DraftLM._rope
     k.set_rope(emb.cos().contiguous(), emb.sin().contiguous())
     k.set_keep_hidden(True)
-    return k, copies
+    return k, mats

@@ -143,7 +143,14 @@ def load_draft(folder: str | Path, target, *, max_batch_size: int = 1) -> DraftK
         getattr(target, "tokenizer", None),
         max_length=getattr(target, "max_length", 2048),
         max_batch_size=max_batch_size,
+        weights=draft_weights_for(target),
     )
+
+
+def draft_weights_for(target) -> str:
+    """The weight format of a draft's kernel copy for ``target``: int8 for an int8 target (its steps
+    are cheap, so the draft's reads weigh), bfloat16 otherwise (see ``KERNEL_WEIGHTS``)."""
+    return "int8" if getattr(target, "dtype", None) == "int8" else "bfloat16"
 
 
 def load_proposer(folder: str | Path, target, *, max_batch_size: int = 1) -> Proposer:
