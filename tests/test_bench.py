@@ -250,6 +250,17 @@ def test_speedup_interval_is_a_seeded_paired_bootstrap_over_prompts():
     assert ratio_interval(tokens[:1], seconds[:1], tokens[:1], base[:1]) is None
     with pytest.raises(ValueError):
         ratio_interval(tokens, seconds[:3], tokens, base)
+    # With every round's time: rounds that agree change nothing; rounds that differ widen it.
+    twice = [[b / 2, b / 2] for b in base]
+    same = ratio_interval(tokens, [b / 2 for b in base], tokens, base, twice, [[b, b] for b in base])
+    assert same == pytest.approx((2.0, 2.0))
+    # The baseline's second round was slower: a draw of only that round makes its prompt look 3x.
+    lo, hi = ratio_interval(tokens, [b / 2 for b in base], tokens, base, twice, [[b, 1.5 * b] for b in base])
+    assert lo == pytest.approx(2.0) and 2.0 < hi <= 3.0
+    # Our second round was slower: a draw of only that round makes its prompt look 1x.
+    ours = [[b / 2, b] for b in base]
+    lo, hi = ratio_interval(tokens, [b / 2 for b in base], tokens, base, ours, [[b, b] for b in base])
+    assert 1.0 <= lo < 2.0 and hi == pytest.approx(2.0)
 
 
 def test_goal_faster_format_speculative_against_llama_cpp():
@@ -339,5 +350,7 @@ def test_repeats_keep_each_configs_fastest_round_in_rotated_orders() -> None:
     ]  # fmt: skip
     assert [r.seconds for r in out[configs[0]]] == [4.0, 2.0]
     assert [r.seconds for r in out[configs[1]]] == [1.0, 6.0]
+    assert [r.round_seconds for r in out[configs[0]]] == [(5.0, 4.0), (2.0, 8.0)]
+    assert [r.round_seconds for r in out[configs[1]]] == [(3.0, 1.0), (6.0, 7.0)]
     with pytest.raises(ValueError):
         run_interleaved(configs, dict.fromkeys(configs, runner), [[10]], request, progress=False, repeats=0)

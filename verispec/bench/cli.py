@@ -378,6 +378,7 @@ def run(args: argparse.Namespace) -> int:
             "new_tokens": len(run.token_ids),
             "seconds": run.seconds,
             "first_token_seconds": run.first_token_seconds,
+            "round_seconds": list(run.round_seconds),
         }
         for cfg in configs
         for i, run in enumerate(results[cfg])

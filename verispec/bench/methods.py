@@ -83,6 +83,8 @@ class RunResult:
     """Tokens that arrived with the first one (more than 1 when a first draft was accepted)."""
     stats: GenerationStats | None = None
     """Draft and acceptance counters, for our engine."""
+    round_seconds: tuple[float, ...] = ()
+    """With ``--repeats``: the wall time of every round on this prompt (``seconds`` is the least)."""
 
 
 Runner = Callable[[list[int], MethodConfig, "Sampling"], RunResult]

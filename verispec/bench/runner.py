@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import numpy as np
 from tqdm import tqdm
@@ -43,7 +44,7 @@ def run_interleaved(
     there, so the bound is measured through the run, under the load the runs saw).
     ``repeats``: rounds of every config per prompt (each round in another rotated order); each
     config keeps its fastest round on the prompt, so a burst of other load on one request does not
-    decide a cell. Every config is treated alike.
+    decide a cell (every round's time stays in ``round_seconds``). Every config is treated alike.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -68,7 +69,8 @@ def run_interleaved(
                 rounds[cfg].append(runners[cfg](ids, cfg, request))
                 bar.update(1)
         for cfg in configs:
-            results[cfg].append(min(rounds[cfg], key=lambda run: run.seconds))
+            fastest = min(rounds[cfg], key=lambda run: run.seconds)
+            results[cfg].append(replace(fastest, round_seconds=tuple(run.seconds for run in rounds[cfg])))
         if between_prompts is not None:
             between_prompts()
     bar.close()
@@ -80,6 +82,8 @@ def ratio_interval(
     seconds: Sequence[float],
     base_tokens: Sequence[float],
     base_seconds: Sequence[float],
+    rounds: Sequence[Sequence[float]] | None = None,
+    base_rounds: Sequence[Sequence[float]] | None = None,
     level: float = INTERVAL_LEVEL,
     draws: int = BOOTSTRAP_DRAWS,
     seed: int = 0,
@@ -89,23 +93,44 @@ def ratio_interval(
     Entry i of each sequence (``[n]``) is prompt i: its new tokens and seconds through a method and
     through the baseline. Prompts are drawn with replacement, each bringing both of its runs, and the
     ratio is taken on every draw; the interval is the central ``level`` of those ratios (the
-    percentile bootstrap, Efron and Tibshirani, 1993). It says how far a cell's speedup rests on which
-    prompts it ran, not how noisy the machine was while they ran (each prompt's time is one
-    measurement). None with fewer than two prompts. Seeded: the same runs give the same interval.
+    percentile bootstrap, Efron and Tibshirani, 1993). That covers which prompts ran. With
+    ``rounds`` and ``base_rounds`` (``[n][R]``: every round's seconds, R >= 2, of which ``seconds``
+    holds the least), each drawn prompt's seconds are also redrawn: the least of R rounds drawn with
+    replacement from its own, which covers the machine's noise between rounds too. None with fewer
+    than two prompts. Seeded: the same runs give the same interval.
     """
     n = len(tokens)
     if not n == len(seconds) == len(base_tokens) == len(base_seconds):
         raise ValueError("every sequence needs one entry per prompt")
     if n < 2:
         return None
-    tok, sec = np.asarray(tokens, dtype=np.float64), np.asarray(seconds, dtype=np.float64)  # [n]
-    base_tok = np.asarray(base_tokens, dtype=np.float64)
-    base_sec = np.asarray(base_seconds, dtype=np.float64)
-    counts = np.random.default_rng(seed).multinomial(n, np.full(n, 1.0 / n), size=draws)  # [draws, n]
-    ratios = (counts @ tok / (counts @ sec)) / (counts @ base_tok / (counts @ base_sec))  # [draws]
+    rng = np.random.default_rng(seed)
+    counts = rng.multinomial(n, np.full(n, 1.0 / n), size=draws)  # [draws, n]
+
+    def rate(tok: Sequence[float], sec: Sequence[float], by_round: Sequence[Sequence[float]] | None):
+        took = np.asarray(sec, dtype=np.float64)[None, :]  # [1, n]
+        if by_round is not None:
+            times = np.asarray(by_round, dtype=np.float64)  # [n, R]
+            if times.shape[0] != n or times.ndim != 2:
+                raise ValueError("rounds need one row of round times per prompt")
+            pick = rng.integers(0, times.shape[1], size=(draws, n, times.shape[1]))  # [draws, n, R]
+            took = np.take_along_axis(times[None].repeat(draws, 0), pick, axis=2).min(axis=2)  # [draws, n]
+        toks = counts @ np.asarray(tok, dtype=np.float64)  # [draws]
+        return toks / (counts * took).sum(axis=1)
+
+    ratios = rate(tokens, seconds, rounds) / rate(base_tokens, base_seconds, base_rounds)  # [draws]
     tail = (1.0 - level) / 2
     lo, hi = np.quantile(ratios, [tail, 1.0 - tail])
     return float(lo), float(hi)
+
+
+def _rounds(*runs: Sequence[RunResult]) -> tuple[list[tuple[float, ...]] | None, ...]:
+    """Each run list's round times (``[n][R]``), or None for all when any run has fewer than two
+    rounds or they differ in number."""
+    counts = {len(r.round_seconds) for group in runs for r in group}
+    if len(counts) != 1 or counts.pop() < 2:
+        return (None,) * len(runs)
+    return tuple([r.round_seconds for r in group] for group in runs)
 
 
 def _summary(runs: list[RunResult]) -> dict:
@@ -173,6 +198,7 @@ def aggregate(
                                 [r.seconds for r in runs],
                                 [len(r.token_ids) for r in base_runs],
                                 [r.seconds for r in base_runs],
+                                *_rounds(runs, base_runs),
                             )
                 else:
                     row[name] = None
