@@ -72,8 +72,8 @@ def lookup_alone_pays(target: KVModel) -> bool:
     target. Its steps cost a third of float32's, so each draft token of the shipped head costs 0.17
     of one (0.23 with the head's weights in bfloat16; float32 target: 0.08), more than the head's
     tokens save. Side by side on Spec-Bench (greedy, session 10), lookup first ran at 0.95-0.98 of
-    lookup alone's speed in five runs on an int8 target (0.96 with the head in int8), and at
-    1.08-1.21 of it in four on float32 (benchmarks/DRAFTS.md)."""
+    lookup alone's speed in five runs on an int8 target (0.96-1.00 in two with the head in int8),
+    and at 1.08-1.12 of it in four on float32 (benchmarks/DRAFTS.md)."""
     return getattr(target, "dtype", None) == "int8"
 
 
