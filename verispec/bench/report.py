@@ -56,8 +56,8 @@ def markdown(results: dict) -> str:
     lines += [
         "",
         "Speedup: tokens/s (whole request, prompt included) over the same engine's plain decoding on the "
-        f"same prompts, with its {INTERVAL_LEVEL:.0%} interval over the cell's prompts in brackets (paired "
-        "bootstrap: how far the figure rests on which prompts ran); decode: the same after the first token; "
+        f"same prompts, with its {INTERVAL_LEVEL:.0%} interval in brackets (paired bootstrap over the cell's "
+        "prompts, and over their rounds with --repeats); decode: the same after the first token; "
         "predicted: the expected-speedup model "
         "(decode) from measured acceptance and costs; vs ours: tokens/s over our float32 plain decoding.",
         "",
@@ -214,8 +214,8 @@ def _row(rows: list[dict], label: str, category: str) -> dict | None:
 def goal_checks(results: dict) -> list[dict]:
     """The project's performance goals, checked against this run: ``{"goal", "value", "met"}`` each
     (``met`` None when the run lacks the rows to decide). ``met`` judges the measured figure; where a
-    goal is about one category's cell, the value carries that cell's interval over its prompts, so a
-    reader can tell a miss from the spread of the prompts it ran on."""
+    goal is about one category's cell, the value carries that cell's interval (over its prompts, and
+    their rounds with --repeats), so a reader can tell a miss from the spread of what it ran on."""
     rows, out = results["rows"], []
     cats = [c for c in dict.fromkeys(r["category"] for r in rows) if c != ALL]
     key_cats = [c for c in ("summarization", "rag", "coding") if c in cats]

@@ -18,9 +18,10 @@ preallocated ``[B, H_kv, S, D]`` caches, so it plugs into
 :class:`~verispec.proposers.DraftModelProposer` unchanged. Its logits cover the full vocabulary
 (``-inf`` outside the subset) so they go through the shared ``logits_to_probs`` like the target's.
 On a CPU with the C++ kernel (:mod:`verispec.models.fast_llama`), its layers and head run there, from
-a bfloat16 copy of their weights taken when the ``DraftKV`` is made: one kernel call per forward
-instead of some forty small torch operations. The draft's numerics never affect what is generated
-(verification is exact for any draft distribution), only how often its tokens are accepted.
+a bfloat16 (or, for an int8 target, int8) copy of their weights taken when the ``DraftKV`` is made:
+one kernel call per forward instead of some forty small torch operations. The draft's numerics never
+affect what is generated (verification is exact for any draft distribution), only how often its
+tokens are accepted.
 """
 
 from __future__ import annotations
