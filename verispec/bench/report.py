@@ -195,15 +195,13 @@ def _paired_interval(results: dict, label: str, base_label: str, category: str) 
     ours, base = pick(label), pick(base_label)
     if len(ours) != len(base):
         return None
-    rounds = {len(r.get("round_seconds") or ()) for r in ours + base}
-    by_round = len(rounds) == 1 and rounds.pop() >= 2
     return ratio_interval(
         [r["new_tokens"] for r in ours],
         [r["seconds"] for r in ours],
         [r["new_tokens"] for r in base],
         [r["seconds"] for r in base],
-        [r["round_seconds"] for r in ours] if by_round else None,
-        [r["round_seconds"] for r in base] if by_round else None,
+        [r.get("round_seconds") for r in ours],
+        [r.get("round_seconds") for r in base],
     )
 
 

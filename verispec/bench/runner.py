@@ -82,8 +82,8 @@ def ratio_interval(
     seconds: Sequence[float],
     base_tokens: Sequence[float],
     base_seconds: Sequence[float],
-    rounds: Sequence[Sequence[float]] | None = None,
-    base_rounds: Sequence[Sequence[float]] | None = None,
+    rounds: Sequence[Sequence[float] | None] | None = None,
+    base_rounds: Sequence[Sequence[float] | None] | None = None,
     level: float = INTERVAL_LEVEL,
     draws: int = BOOTSTRAP_DRAWS,
     seed: int = 0,
@@ -94,10 +94,11 @@ def ratio_interval(
     through the baseline. Prompts are drawn with replacement, each bringing both of its runs, and the
     ratio is taken on every draw; the interval is the central ``level`` of those ratios (the
     percentile bootstrap, Efron and Tibshirani, 1993). That covers which prompts ran. With
-    ``rounds`` and ``base_rounds`` (``[n][R]``: every round's seconds, R >= 2, of which ``seconds``
-    holds the least), each drawn prompt's seconds are also redrawn: the least of R rounds drawn with
-    replacement from its own, which covers the machine's noise between rounds too. None with fewer
-    than two prompts. Seeded: the same runs give the same interval.
+    ``rounds`` (``[n][R]``: every round's seconds, of which ``seconds`` holds the least; likewise
+    ``base_rounds``), each drawn prompt's seconds are also redrawn: the least of R rounds drawn with
+    replacement from its own, which covers the machine's noise between rounds too. Rounds are used
+    only where every prompt has the same number R >= 2 of them. None with fewer than two prompts.
+    Seeded: the same runs give the same interval.
     """
     n = len(tokens)
     if not n == len(seconds) == len(base_tokens) == len(base_seconds):
@@ -107,30 +108,19 @@ def ratio_interval(
     rng = np.random.default_rng(seed)
     counts = rng.multinomial(n, np.full(n, 1.0 / n), size=draws)  # [draws, n]
 
-    def rate(tok: Sequence[float], sec: Sequence[float], by_round: Sequence[Sequence[float]] | None):
+    def rate(tok: Sequence[float], sec: Sequence[float], by_round) -> np.ndarray:
         took = np.asarray(sec, dtype=np.float64)[None, :]  # [1, n]
-        if by_round is not None:
+        widths = {len(r or ()) for r in by_round} if by_round is not None and len(by_round) == n else set()
+        if len(widths) == 1 and widths.pop() >= 2:
             times = np.asarray(by_round, dtype=np.float64)  # [n, R]
-            if times.shape[0] != n or times.ndim != 2:
-                raise ValueError("rounds need one row of round times per prompt")
-            pick = rng.integers(0, times.shape[1], size=(draws, n, times.shape[1]))  # [draws, n, R]
-            took = np.take_along_axis(times[None].repeat(draws, 0), pick, axis=2).min(axis=2)  # [draws, n]
-        toks = counts @ np.asarray(tok, dtype=np.float64)  # [draws]
-        return toks / (counts * took).sum(axis=1)
+            pick = rng.integers(0, times.shape[1], size=(draws, *times.shape))  # [draws, n, R]
+            took = times[np.arange(n)[:, None], pick].min(axis=2)  # [draws, n]
+        return counts @ np.asarray(tok, dtype=np.float64) / (counts * took).sum(axis=1)  # [draws]
 
     ratios = rate(tokens, seconds, rounds) / rate(base_tokens, base_seconds, base_rounds)  # [draws]
     tail = (1.0 - level) / 2
     lo, hi = np.quantile(ratios, [tail, 1.0 - tail])
     return float(lo), float(hi)
-
-
-def _rounds(*runs: Sequence[RunResult]) -> tuple[list[tuple[float, ...]] | None, ...]:
-    """Each run list's round times (``[n][R]``), or None for all when any run has fewer than two
-    rounds or they differ in number."""
-    counts = {len(r.round_seconds) for group in runs for r in group}
-    if len(counts) != 1 or counts.pop() < 2:
-        return (None,) * len(runs)
-    return tuple([r.round_seconds for r in group] for group in runs)
 
 
 def _summary(runs: list[RunResult]) -> dict:
@@ -198,7 +188,8 @@ def aggregate(
                                 [r.seconds for r in runs],
                                 [len(r.token_ids) for r in base_runs],
                                 [r.seconds for r in base_runs],
-                                *_rounds(runs, base_runs),
+                                [r.round_seconds for r in runs],
+                                [r.round_seconds for r in base_runs],
                             )
                 else:
                     row[name] = None
