@@ -72,6 +72,15 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// The end of one output element, shared by the tiles: times the row's scale, plus its bias, stored
+// or added to what `out` holds.
+inline void finish_dot(float s, const float* scale, const float* bias, int64_t j, float* out,
+                       bool accumulate) {
+  if (scale != nullptr) s *= scale[j];
+  if (bias != nullptr) s += bias[j];
+  *out = accumulate ? *out + s : s;
+}
+
 // Pair-interleaved weights: rows 2p and 2p + 1 alternate in chunks of kPairChunk weights (one
 // load's worth: 8 float32 or bfloat16, 16 int8), [N / 2][K / C][2][C], so that the tile of a pair
 // reads one contiguous stream. Row-major tiles of 4 rows read 4 streams at once, and one core then
@@ -133,10 +142,7 @@ inline void tile(const float* x, int64_t ldx, const WT* w, int64_t K, int64_t rs
     for (int j = 0; j < NR; ++j) {
       float s = hsum(acc[i][j]);
       for (int64_t kk = k; kk < K; ++kk) s += x[i * ldx + kk] * to_f32(w[j * K + kk]);  // kp == 1 only
-      if (scale != nullptr) s *= scale[j];
-      if (bias != nullptr) s += bias[j];
-      float* out = y + i * ldy + j;
-      *out = accumulate ? *out + s : s;
+      finish_dot(s, scale, bias, j, y + i * ldy + j, accumulate);
     }
   }
 }
@@ -211,10 +217,8 @@ inline void tile_q(const int16_t* x, int64_t ldx, const float* xs, const i8* w, 
     for (int j = 0; j < NR; ++j) {
       int64_t t = total[i][j];
       for (int64_t kk = kv; kk < K; ++kk) t += int32_t(x[i * ldx + kk]) * int32_t(w[j * K + kk]);  // kp == 1
-      float s = static_cast<float>(static_cast<double>(t) * xs[i] * scale[j]);
-      if (bias != nullptr) s += bias[j];
-      float* out = y + i * ldy + j;
-      *out = accumulate ? *out + s : s;
+      const float s = static_cast<float>(static_cast<double>(t) * xs[i] * scale[j]);
+      finish_dot(s, nullptr, bias, j, y + i * ldy + j, accumulate);  // scaled above, in double
     }
   }
 }
@@ -470,15 +474,8 @@ inline void tile2p(const float* x, int64_t ldx, const WT* w, int64_t K, const fl
       for (int j = 0; j < 4; ++j) acc[i][j] = fma_reg(xv, wv[j], acc[i][j]);
     }
   }
-  for (int i = 0; i < MR; ++i) {
-    for (int j = 0; j < 4; ++j) {
-      float s = hsum(acc[i][j]);
-      if (scale != nullptr) s *= scale[j];
-      if (bias != nullptr) s += bias[j];
-      float* out = y + i * ldy + j;
-      *out = accumulate ? *out + s : s;
-    }
-  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 4; ++j) finish_dot(hsum(acc[i][j]), scale, bias, j, y + i * ldy + j, accumulate);
 }
 #endif
 
