@@ -451,8 +451,10 @@ def test_int8_kernel_linear_is_exact_integer_products_of_int16_activations(K: in
 def test_int8_kernel_linear_on_paired_weights_is_the_same_exact_product(K: int) -> None:
     """Pair-interleaved int8 weights meet 2-6 input rows per pass in tiles of two pairs (four weight
     rows, their sums leaving the registers together) and single pairs where a block has only one
-    left; every row count and block remainder gives the exact integer product, bitwise."""
+    left, from as few rows as the machine's schedule says; every schedule, row count and block
+    remainder gives the exact integer product, bitwise."""
     from verispec.models.fast_llama import _interleave_pairs, _load_kernel
+    from verispec.models.schedule import SCHEDULES
 
     kernel = _load_kernel().FastLlamaKernel(8, 1, 1, 8, 8, 1e-5)
     g = torch.Generator().manual_seed(15)
@@ -465,17 +467,21 @@ def test_int8_kernel_linear_on_paired_weights_is_the_same_exact_product(K: int) 
         for m in (1, 2, 3, 4, 5, 6, 7, 9, 13):  # passes of up to 6 rows: 7 = 4 + 3, 13 = 6 + 6 + 1
             x = torch.randn(m, K, generator=g)
             want = _int16_activation_linear(x, q, bias, scale)
-            assert torch.equal(kernel.linear(x, paired, bias, scale, paired=True), want), (n, m)
-            assert torch.equal(kernel.linear(x, q, bias, scale), want), (n, m)
+            for name, sched in SCHEDULES.items():
+                kernel.set_schedule(*sched)
+                assert torch.equal(kernel.linear(x, paired, bias, scale, paired=True), want), (n, m, name)
+                assert torch.equal(kernel.linear(x, q, bias, scale), want), (n, m, name)
 
 
 @requires_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_float_kernel_linear_on_paired_weights_is_bitwise_the_row_major_one(dtype: torch.dtype) -> None:
-    """Pair-interleaved float32 and bfloat16 weights meet 5-6 input rows in tiles of two pairs;
-    every output element keeps the row-major tile's chain of products, so for any row count and
-    block remainder the product is bitwise the same."""
+    """Pair-interleaved float32 and bfloat16 weights meet 5-6 input rows (or, by the machine's
+    schedule, any number) in tiles of two pairs; every output element keeps the row-major tile's
+    chain of products, so for any schedule, row count and block remainder the product is bitwise
+    the same."""
     from verispec.models.fast_llama import _interleave_pairs, _load_kernel
+    from verispec.models.schedule import SCHEDULES
 
     kernel = _load_kernel().FastLlamaKernel(8, 1, 1, 8, 8, 1e-5)
     g = torch.Generator().manual_seed(16)
@@ -489,7 +495,9 @@ def test_float_kernel_linear_on_paired_weights_is_bitwise_the_row_major_one(dtyp
             x = torch.randn(m, 104, generator=g)
             want = kernel.linear(x, w, bias, None)
             torch.testing.assert_close(want, x @ w.float().T + bias, rtol=1e-5, atol=1e-5)
-            assert torch.equal(kernel.linear(x, paired, bias, None, paired=True), want), (n, m)
+            for name, sched in SCHEDULES.items():
+                kernel.set_schedule(*sched)
+                assert torch.equal(kernel.linear(x, paired, bias, None, paired=True), want), (n, m, name)
 
 
 def test_weights_on_huge_pages_where_the_os_allows() -> None:
@@ -597,3 +605,37 @@ def test_pair_interleaved_weights_give_bitwise_the_row_major_logits(
         assert not torch.equal(w[key], plain[key])
         assert torch.equal(_plain_rows(w[key]), plain[key])
     assert torch.equal(paired, rows)
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_every_kernel_schedule_gives_bitwise_the_same_logits(dtype: str) -> None:
+    """The machine's schedule (tiles of one or two weight pairs for few rows, a prefetch on one row)
+    changes only the speed: decoding and verification-sized calls give bitwise the same logits."""
+    from verispec.models.schedule import DEFAULT, SCHEDULES
+
+    hf = _mistral(head_dim=76, max_position_embeddings=256, sliding_window=256)
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(5))
+    got = {}
+    for name, sched in SCHEDULES.items():
+        fast = FastLlama.from_hf(hf, dtype=dtype, max_batch_size=2, use_kernel=True)
+        assert fast.kernel_schedule == DEFAULT  # a tiny model is never timed
+        fast._kernel.set_schedule(*sched)
+        assert fast._kernel.get_schedule() == sched
+        out = [fast.forward(ids[:, :20])]
+        out += [fast.forward(ids[:, t : t + 5]) for t in (20, 25)]
+        out += [fast.forward(ids[:, t : t + 1]) for t in range(30, 40)]
+        got[name] = torch.cat(out, dim=1)
+    first, *rest = got.values()
+    assert all(torch.equal(first, other) for other in rest)
+
+
+@requires_kernel
+def test_timing_the_schedules_leaves_the_model_empty_and_on_the_default() -> None:
+    from verispec.models.schedule import DEFAULT, SCHEDULES, measure
+
+    fast = FastLlama.from_hf(_llama(), max_batch_size=2, use_kernel=True)
+    times = measure(fast, rounds=2, context=8)
+    assert set(times) == set(SCHEDULES) and all(len(v) == 2 and min(v) > 0 for v in times.values())
+    assert fast._kernel.get_schedule() == SCHEDULES[DEFAULT]
+    assert not fast._lengths.any()

@@ -408,6 +408,8 @@ def run(args: argparse.Namespace) -> int:
             "verify_cost_ratio_samples": {"before": costs[d][5], "during": verify_during[d]},
             "verify_cost_by_tokens": {str(k): v for k, v in costs[d].items()},
             "draft_cost": {m: c for (m, dd), c in draft_cost.items() if dd == d},
+            # How the kernel read the paired weights (verispec.models.schedule); None: no kernel.
+            "kernel_schedule": getattr(t, "kernel_schedule", None),
         }
     first = by_dtype[dtypes[0]]
     from verispec.commands.generate import memory_report

@@ -45,6 +45,7 @@ def markdown(results: dict) -> str:
             f"{_fmt(d.get('plain_decode_tokens_per_second'), '.1f')} tokens/s decode-only "
             f"({_fmt(d.get('plain_fraction_of_bound'), '.0%')} of the bound), verify_cost_ratio "
             f"{_fmt(d['verify_cost_ratio'])}{_verify_samples(d)}"
+            + (f", kernel schedule {d['kernel_schedule']}" if d.get("kernel_schedule") else "")
         )
     mem = results.get("memory_bytes") or {}
     if mem:

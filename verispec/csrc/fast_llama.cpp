@@ -41,6 +41,23 @@ namespace {
 using bf16 = uint16_t;
 using i8 = int8_t;
 
+// How `linear` reads paired weights: which tiles serve passes of few input rows, and whether a pass
+// of one row prefetches in software. It never changes any output (every tile forms each element in
+// the same order), only the speed, and the best choice depends on the CPU, so FastLlama measures it
+// once per machine (verispec/models/schedule.py) and gives it to its kernel object
+// (`FastLlamaKernel::set_schedule`), which passes it to every `linear` call. The defaults are the 2-core AMD EPYC's (Zen 4),
+// where one stream per core with the hardware prefetcher alone reads at full bandwidth. On a 2-core
+// Intel Xeon with AVX-512 (session 11, all of SmolLM2's matrices, 2 threads, min of 8-10 interleaved
+// rounds, ms, defaults -> two-pair tiles from one row and the prefetch on one row): int8 1 row
+// 10.7 -> 8.2, 2 rows 8.4 -> 8.5; float32 1 row 29.4 -> 23.8, 2 rows 28.4 -> 24.8, 9 rows 41.2 ->
+// 35.6; bfloat16 1 row 19.2 -> 14.5, 2 rows 16.1 -> 14.6. On the EPYC the same change cost: two
+// streams at 2 float rows 15.3 -> 17.3 ms, the prefetch on one row 10-25% of the bandwidth.
+struct Schedule {
+  int64_t two_pair_rows_float = 5;  // passes of at least this many rows use tile2p (float32, bf16)
+  int64_t two_pair_rows_int8 = 2;   // ... tile_q2p (int8)
+  bool prefetch_one_row = false;    // software prefetch in a paired pass of one input row
+};
+
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
 // bf16 -> f32 is exact: the bf16 bits are the top half of the f32.
@@ -294,11 +311,11 @@ inline void tile_q2p(const int16_t* x, int64_t ldx, const float* xs, const i8* w
 template <int MR>
 inline void tile_rows_q(const int16_t* x, int64_t ldx, const float* xs, const i8* w, int64_t K,
                         int64_t nr, const float* scale, const float* bias, float* y, int64_t ldy,
-                        bool acc, int64_t pf, bool paired) {
+                        bool acc, int64_t pf, bool paired, int64_t two_pair_from) {
   int64_t j = 0;
   if (paired) {  // pair p starts where row 2p would (p * 2K)
 #if defined(__AVX512VL__)
-    if constexpr (MR >= 2) {  // one input row stays on single-pair tiles: one stream from memory
+    if (MR >= two_pair_from) {  // else single-pair tiles: one stream from memory
       for (; j + 4 <= nr; j += 4)
         tile_q2p<MR>(x, ldx, xs, w + j * K, K, scale + j, bias ? bias + j : nullptr, y + j, ldy,
                      acc, pf);
@@ -320,14 +337,15 @@ inline void tile_rows_q(const int16_t* x, int64_t ldx, const float* xs, const i8
 
 inline void tile_any_q(int64_t mr, const int16_t* x, int64_t ldx, const float* xs, const i8* w,
                        int64_t K, int64_t nr, const float* scale, const float* bias, float* y,
-                       int64_t ldy, bool acc, int64_t pf, bool paired) {
+                       int64_t ldy, bool acc, int64_t pf, bool paired, int64_t two_pair_from) {
+  const int64_t f = two_pair_from;
   switch (mr) {
-    case 1: return tile_rows_q<1>(x, ldx, xs, w, K, nr, scale, bias, y, ldy, acc, pf, paired);
-    case 2: return tile_rows_q<2>(x, ldx, xs, w, K, nr, scale, bias, y, ldy, acc, pf, paired);
-    case 3: return tile_rows_q<3>(x, ldx, xs, w, K, nr, scale, bias, y, ldy, acc, pf, paired);
-    case 4: return tile_rows_q<4>(x, ldx, xs, w, K, nr, scale, bias, y, ldy, acc, pf, paired);
-    case 5: return tile_rows_q<5>(x, ldx, xs, w, K, nr, scale, bias, y, ldy, acc, pf, paired);
-    default: return tile_rows_q<6>(x, ldx, xs, w, K, nr, scale, bias, y, ldy, acc, pf, paired);
+    case 1: return tile_rows_q<1>(x, ldx, xs, w, K, nr, scale, bias, y, ldy, acc, pf, paired, f);
+    case 2: return tile_rows_q<2>(x, ldx, xs, w, K, nr, scale, bias, y, ldy, acc, pf, paired, f);
+    case 3: return tile_rows_q<3>(x, ldx, xs, w, K, nr, scale, bias, y, ldy, acc, pf, paired, f);
+    case 4: return tile_rows_q<4>(x, ldx, xs, w, K, nr, scale, bias, y, ldy, acc, pf, paired, f);
+    case 5: return tile_rows_q<5>(x, ldx, xs, w, K, nr, scale, bias, y, ldy, acc, pf, paired, f);
+    default: return tile_rows_q<6>(x, ldx, xs, w, K, nr, scale, bias, y, ldy, acc, pf, paired, f);
   }
 }
 
@@ -483,16 +501,16 @@ inline void tile2p(const float* x, int64_t ldx, const WT* w, int64_t K, const fl
 template <int MR, typename WT>
 inline void tile_rows(const float* x, int64_t ldx, const WT* w, int64_t K, int64_t nr,
                       const float* scale, const float* bias, float* y, int64_t ldy, bool acc,
-                      int64_t pf, bool paired) {
+                      int64_t pf, bool paired, int64_t two_pair_from) {
   int64_t j = 0;
   if (paired) {  // pair p starts where row 2p would (p * 2K)
 #if defined(__AVX512VL__)
-    // Five or more rows only. All of the model's matrices, 2 threads, min / median of 8
-    // alternating rounds, ms: float32 5 rows 19.0 / 20.6 -> 15.9 / 19.5, 9 rows 24.8 / 26.9 -> 21.1
-    // / 25.5; 2 rows 15.3 / 19.9 -> 17.3 / 21.1 and 3-4 rows within 1-6% either way (reading the
-    // weights from memory, two streams at once cost what the arithmetic saved). bfloat16: 5 rows
-    // 16.5 / 16.8 -> 14.3 / 14.6, 9 rows 25.8 / 26.5 -> 23.3 / 24.5 (2-4 rows not measured).
-    if constexpr (MR >= 5) {
+    // From `two_pair_from` rows (EPYC: five). There, all of the model's matrices,
+    // 2 threads, min / median of 8 alternating rounds, ms: float32 5 rows 19.0 / 20.6 -> 15.9 /
+    // 19.5, 9 rows 24.8 / 26.9 -> 21.1 / 25.5; 2 rows 15.3 / 19.9 -> 17.3 / 21.1 and 3-4 rows within
+    // 1-6% either way (reading the weights from memory, two streams at once cost what the arithmetic
+    // saved). bfloat16: 5 rows 16.5 / 16.8 -> 14.3 / 14.6, 9 rows 25.8 / 26.5 -> 23.3 / 24.5.
+    if (MR >= two_pair_from) {
       for (; j + 4 <= nr; j += 4)
         tile2p<MR, WT>(x, ldx, w + j * K, K, scale ? scale + j : nullptr, bias ? bias + j : nullptr,
                    y + j, ldy, acc, pf);
@@ -517,14 +535,15 @@ inline void tile_rows(const float* x, int64_t ldx, const WT* w, int64_t K, int64
 template <typename WT>
 inline void tile_any(int64_t mr, const float* x, int64_t ldx, const WT* w, int64_t K, int64_t nr,
                      const float* scale, const float* bias, float* y, int64_t ldy, bool acc,
-                     int64_t pf, bool paired) {
+                     int64_t pf, bool paired, int64_t two_pair_from) {
+  const int64_t f = two_pair_from;
   switch (mr) {
-    case 1: return tile_rows<1>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf, paired);
-    case 2: return tile_rows<2>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf, paired);
-    case 3: return tile_rows<3>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf, paired);
-    case 4: return tile_rows<4>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf, paired);
-    case 5: return tile_rows<5>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf, paired);
-    default: return tile_rows<6>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf, paired);
+    case 1: return tile_rows<1>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf, paired, f);
+    case 2: return tile_rows<2>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf, paired, f);
+    case 3: return tile_rows<3>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf, paired, f);
+    case 4: return tile_rows<4>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf, paired, f);
+    case 5: return tile_rows<5>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf, paired, f);
+    default: return tile_rows<6>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf, paired, f);
   }
 }
 
@@ -562,15 +581,17 @@ void for_each_pass(int64_t M, int64_t N, const Pass& pass) {
 // streams its half of the weights once; within a block of 8 weight rows every input row is applied
 // while the block is in L1 (`for_each_pass`).
 //
-// `paired`: w is pair-interleaved (`paired_ok`). Its first pass prefetches only with 2 or more input
+// `paired`: w is pair-interleaved (`paired_ok`). Its first pass prefetches with 2 or more input
 // rows, whose arithmetic would otherwise wait on the loads (int8, 2 rows: +0.8-1.5 ms per forward
-// without it); with one the hardware prefetcher keeps up with the single stream alone (a software
-// prefetch there cost 10-25% of the bandwidth).
+// without it); with one only where `sched.prefetch_one_row` says so (on the EPYC the hardware
+// prefetcher keeps up with the single stream alone, and a software prefetch cost 10-25% of the
+// bandwidth; on the Xeon it saved 19% with int8 weights).
 template <typename WT>
 void linear(const float* x, int64_t M, int64_t ldx, const WT* w, int64_t N, int64_t K,
             const float* scale, const float* bias, float* y, int64_t ldy, bool accumulate,
-            bool paired = false) {
-  const int64_t pf = paired && M == 1 ? 0 : kPrefetchBytes / static_cast<int64_t>(sizeof(WT));
+            bool paired, const Schedule& sched) {
+  const bool quiet = paired && M == 1 && !sched.prefetch_one_row;
+  const int64_t pf = quiet ? 0 : kPrefetchBytes / static_cast<int64_t>(sizeof(WT));
   if constexpr (std::is_same_v<WT, i8>) {
     thread_local std::vector<int16_t> xq;
     thread_local std::vector<float> xs;
@@ -581,13 +602,14 @@ void linear(const float* x, int64_t M, int64_t ldx, const WT* w, int64_t N, int6
     const float* qs = xs.data();
     for_each_pass(M, N, [&](int64_t m, int64_t mr, int64_t n0, int64_t nr, bool first) {
       tile_any_q(mr, q + m * K, K, qs + m, w + n0 * K, K, nr, scale + n0, bias ? bias + n0 : nullptr,
-                 y + m * ldy + n0, ldy, accumulate, first ? pf : 0, paired);
+                 y + m * ldy + n0, ldy, accumulate, first ? pf : 0, paired,
+                 sched.two_pair_rows_int8);
     });
   } else {
     for_each_pass(M, N, [&](int64_t m, int64_t mr, int64_t n0, int64_t nr, bool first) {
       tile_any(mr, x + m * ldx, ldx, w + n0 * K, K, nr, scale ? scale + n0 : nullptr,
                bias ? bias + n0 : nullptr, y + m * ldy + n0, ldy, accumulate, first ? pf : 0,
-               paired);
+               paired, sched.two_pair_rows_float);
     });
   }
 }
@@ -753,6 +775,17 @@ class FastLlamaKernel {
   // before handing them over.
   void set_paired(bool on) { paired_ = on; }
 
+  // This object's `Schedule` (see there), installed at the start of each of its calls.
+  void set_schedule(int64_t two_pair_rows_float, int64_t two_pair_rows_int8, bool prefetch_one_row) {
+    TORCH_CHECK(two_pair_rows_float >= 1 && two_pair_rows_int8 >= 1, "row counts must be >= 1");
+    schedule_ = Schedule{two_pair_rows_float, two_pair_rows_int8, prefetch_one_row};
+  }
+
+  pybind11::tuple get_schedule() const {
+    return pybind11::make_tuple(schedule_.two_pair_rows_float, schedule_.two_pair_rows_int8,
+                                schedule_.prefetch_one_row);
+  }
+
   // The s* arguments are the per-row scales of int8 weights (None for float32 and bf16).
   void add_layer(at::Tensor in_norm, at::Tensor wqkv, std::optional<at::Tensor> bqkv, at::Tensor wo,
                  std::optional<at::Tensor> bo, at::Tensor post_norm, at::Tensor wgu,
@@ -885,15 +918,15 @@ class FastLlamaKernel {
     switch (w.scalar_type()) {
       case at::kBFloat16:
         linear(x.data_ptr<float>(), M, K, wptr<bf16>(w), N, K, s, b, y.data_ptr<float>(), N, false,
-               paired);
+               paired, schedule_);
         break;
       case at::kChar:
         linear(x.data_ptr<float>(), M, K, wptr<i8>(w), N, K, s, b, y.data_ptr<float>(), N, false,
-               paired);
+               paired, schedule_);
         break;
       default:
         linear(x.data_ptr<float>(), M, K, wptr<float>(w), N, K, s, b, y.data_ptr<float>(), N, false,
-               paired);
+               paired, schedule_);
     }
     return y;
   }
@@ -1008,14 +1041,14 @@ class FastLlamaKernel {
       const Layer& L = layers_[l];
       rmsnorm(x, M, H, L.in_norm.data_ptr<float>(), eps_, xn);
       linear(xn, M, H, wptr<WT>(L.wqkv.w), QKV, H, L.wqkv.sc(), opt(L.bqkv), qkv, QKV, false,
-             L.wqkv.paired);
+             L.wqkv.paired, schedule_);
       write_kv(l, M, sl, ps, cos, sin);
       attention(l, M, ps);
       linear(att_.data(), M, HQD, wptr<WT>(L.wo.w), H, HQD, L.wo.sc(), opt(L.bo), x, H, true,
-             L.wo.paired);
+             L.wo.paired, schedule_);
       rmsnorm(x, M, H, L.post_norm.data_ptr<float>(), eps_, xn);
       linear(xn, M, H, wptr<WT>(L.wgu.w), 2 * I, H, L.wgu.sc(), nullptr, gu_.data(), 2 * I, false,
-             L.wgu.paired);
+             L.wgu.paired, schedule_);
       // SwiGLU, one element at a time (scalar expf: 5 rows x 1536 took 2 ms of a 31 ms forward on
       // one thread), split over the threads.
       at::parallel_for(0, M * I, 2048, [&](int64_t e0, int64_t e1) {
@@ -1026,7 +1059,7 @@ class FastLlamaKernel {
         }
       });
       linear(act_.data(), M, I, wptr<WT>(L.wdown.w), H, I, L.wdown.sc(), nullptr, x, H, true,
-             L.wdown.paired);
+             L.wdown.paired, schedule_);
     }
 
     if (keep_hidden_) {
@@ -1045,7 +1078,7 @@ class FastLlamaKernel {
     auto logits = at::empty({R, V}, at::kFloat);
     if (R > 0)
       linear(sel.data(), R, H, wptr<WT>(head_.w), V, H, head_.sc(), nullptr, logits.data_ptr<float>(),
-             V, false, head_.paired);
+             V, false, head_.paired, schedule_);
     return logits;
   }
 
@@ -1156,6 +1189,7 @@ class FastLlamaKernel {
   const int64_t* ctx_ = nullptr;  // per token of the running call: keys before it, RoPE position
   bool keep_hidden_ = false;
   bool paired_ = false;
+  Schedule schedule_;
   at::Tensor hidden_;
   std::vector<Layer> layers_;
   at::ScalarType wtype_ = at::ScalarType::Undefined;
@@ -1173,6 +1207,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &FastLlamaKernel::add_layer)
       .def("set_head", &FastLlamaKernel::set_head)
       .def("set_paired", &FastLlamaKernel::set_paired)
+      .def("set_schedule", &FastLlamaKernel::set_schedule, pybind11::arg("two_pair_rows_float"),
+           pybind11::arg("two_pair_rows_int8"), pybind11::arg("prefetch_one_row"))
+      .def("get_schedule", &FastLlamaKernel::get_schedule)
       .def("set_rope", &FastLlamaKernel::set_rope)
       .def("set_cache", &FastLlamaKernel::set_cache)
       .def("move_positions", &FastLlamaKernel::move_positions)

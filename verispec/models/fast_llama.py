@@ -38,6 +38,10 @@ Before (L1 prefetch every 32 bytes, same script, same hour): float32 36.1 / 40.2
 5.2-6.3 / 6.7-8.1, float32 17.5-20.3 / 20.1-23.5. In the machine's fast-memory phases one token
 gets faster and five do not: float32 about 12 / 16-17.6, int8 5.0 / 8.6 (benchmarks/README.md).
 
+Which tiles serve passes of few rows, and whether a one-row pass prefetches in software, is chosen
+per machine by timing (``kernel_schedule``, :mod:`verispec.models.schedule`): the EPYC's defaults
+cost a 2-core Intel Xeon (session 11) 10-25% at one row.
+
 Weight formats (``DTYPES``): int8 is symmetric with one float32 scale per weight row; on the
 kernel path it multiplies activations quantised per row to int16 (see the C++ source), which left
 top-1 agreement with float32 at 95.56% against 95.54% with float32 activations (5721 positions of
@@ -65,6 +69,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from verispec.models import schedule
 from verispec.models.base import LogitsMode, logit_rows, tensor_bytes
 from verispec.models.pages import huge_page_bytes
 from verispec.models.threads import ThreadTuner
@@ -313,6 +318,12 @@ class FastLlama:
         """With ``record_hidden``: for each row, ``(start, hidden [T, hidden])`` of the last forward
         that fed it (positions ``start .. start + T - 1``); survives calls on other rows."""
         self.reset(max_batch_size)
+        self.kernel_schedule: str | None = None
+        """How the kernel reads the paired weights on this machine (:mod:`verispec.models.schedule`;
+        measured once per machine, outputs the same either way); None without the kernel."""
+        if self._kernel is not None:
+            self.kernel_schedule = schedule.apply(self)
+            self.reset(max_batch_size)
 
     @property
     def record_hidden(self) -> bool:

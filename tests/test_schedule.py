@@ -1,0 +1,90 @@
+"""The kernel's schedule for paired weights: chosen by measurement, cached per machine, overridable."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from verispec.config import ConfigError
+from verispec.models import schedule
+from verispec.models.schedule import DEFAULT, SCHEDULES, faster
+
+
+def test_faster_keeps_the_default_unless_another_wins_clearly() -> None:
+    assert faster({"one-stream": [1.0, 0.9], "two-stream": [0.95, 0.8]}) == "two-stream"
+    assert faster({"one-stream": [0.8], "two-stream": [0.79]}) == DEFAULT  # within the 3% margin
+    assert faster({"one-stream": [0.7], "two-stream": [0.9]}) == "one-stream"
+    assert faster({"one-stream": [], "two-stream": []}) == DEFAULT
+
+
+class _Kernel:
+    def __init__(self) -> None:
+        self.schedule = SCHEDULES[DEFAULT]
+
+    def set_schedule(self, *sched: object) -> None:
+        self.schedule = sched
+
+
+class _Model:
+    """What ``apply`` reads of a FastLlama: its kernel, dtype and weight size."""
+
+    dtype = "int8"
+
+    def __init__(self, size: int) -> None:
+        self._kernel = _Kernel()
+        self.size = size
+
+    def weight_bytes(self) -> int:
+        return self.size
+
+
+@pytest.fixture
+def timed(monkeypatch: pytest.MonkeyPatch, tmp_path) -> list[int]:
+    """A cache in tmp_path and a fake measurement in which two-stream wins; counts the measurements."""
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    monkeypatch.delenv(schedule.ENV, raising=False)
+    calls: list[int] = []
+
+    def measure(model, rounds: int = 6, context: int = 64) -> dict[str, list[float]]:
+        calls.append(1)
+        return {"one-stream": [2.0, 1.0], "two-stream": [0.8, 0.9]}
+
+    monkeypatch.setattr(schedule, "measure", measure)
+    return calls
+
+
+def test_apply_measures_once_per_machine_and_format_then_reads_the_cache(timed, tmp_path) -> None:
+    model = _Model(schedule.MIN_TUNED_BYTES)
+    assert schedule.apply(model) == "two-stream"
+    assert model._kernel.schedule == SCHEDULES["two-stream"]
+    cached = json.loads((tmp_path / "kernel_schedule.json").read_text())
+    assert list(cached.values()) == ["two-stream"]
+    assert "int8" in next(iter(cached)) and str(model.size) in next(iter(cached))
+    again = _Model(model.size)
+    assert schedule.apply(again) == "two-stream" and again._kernel.schedule == SCHEDULES["two-stream"]
+    assert len(timed) == 1  # the second model read the cache
+    other = _Model(model.size + 1)  # another model size is measured on its own
+    schedule.apply(other)
+    assert len(timed) == 2
+
+
+def test_small_models_keep_the_default_untimed(timed) -> None:
+    model = _Model(schedule.MIN_TUNED_BYTES - 1)
+    assert schedule.apply(model) == DEFAULT
+    assert model._kernel.schedule == SCHEDULES[DEFAULT] and not timed
+
+
+def test_the_environment_overrides_and_is_checked(timed, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(schedule.ENV, "one-stream")
+    model = _Model(schedule.MIN_TUNED_BYTES)
+    assert schedule.apply(model) == "one-stream" and not timed
+    monkeypatch.setenv(schedule.ENV, "fastest")
+    with pytest.raises(ConfigError, match="VERISPEC_KERNEL_SCHEDULE"):
+        schedule.apply(model)
+
+
+def test_an_unreadable_cache_is_measured_again(timed, tmp_path) -> None:
+    (tmp_path / "kernel_schedule.json").write_text("not json")
+    assert schedule.apply(_Model(schedule.MIN_TUNED_BYTES)) == "two-stream"
+    assert len(timed) == 1
