@@ -354,3 +354,20 @@ def test_repeats_keep_each_configs_fastest_round_in_rotated_orders() -> None:
     assert [r.round_seconds for r in out[configs[1]]] == [(3.0, 1.0), (6.0, 7.0)]
     with pytest.raises(ValueError):
         run_interleaved(configs, dict.fromkeys(configs, runner), [[10]], request, progress=False, repeats=0)
+
+
+def test_a_peer_probe_reports_how_its_child_failed(tmp_path) -> None:
+    """llama.cpp is tried in a child process first: a crash there is a note, not the end of the bench."""
+    import sys
+
+    from verispec.bench.peers import child_failure, llama_cpp_failure
+
+    py = sys.executable
+    assert child_failure([py, "-c", "pass"], timeout=60) is None
+    gone = "import sys; sys.exit('no model here')"
+    assert child_failure([py, "-c", gone], timeout=60) == "exit status 1: no model here"
+    crash = "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"
+    assert child_failure([py, "-c", crash], timeout=60) == "killed by SIGSEGV"
+    assert child_failure([py, "-c", "import time; time.sleep(30)"], timeout=0.5) == "no answer within 0 s"
+    failure = llama_cpp_failure(tmp_path / "missing.gguf", threads=1, timeout=60)
+    assert failure is not None and failure.startswith("exit status 1")

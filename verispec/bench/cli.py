@@ -31,7 +31,7 @@ from verispec.bench.measure import (
     weight_bytes,
 )
 from verispec.bench.methods import METHODS, OURS, SPECULATIVE, MethodConfig, Sampling, run_ours
-from verispec.bench.peers import HFPeer, LlamaCppPeer, llama_cpp_available
+from verispec.bench.peers import HFPeer, LlamaCppPeer, llama_cpp_available, llama_cpp_failure
 from verispec.bench.prompts import load_prompts, select
 from verispec.bench.report import goal_checks, markdown, plot_all
 from verispec.bench.runner import ALL, aggregate, run_interleaved
@@ -253,6 +253,8 @@ def run(args: argparse.Namespace) -> int:
             )
         elif kind != "gguf":
             notes.append("llama.cpp needs a GGUF model; the target is not one: llama.cpp skipped")
+        elif (failure := llama_cpp_failure(Path(where), torch.get_num_threads())) is not None:
+            notes.append(f"llama.cpp failed on this machine ({failure}): llama.cpp skipped")
         else:
             longest = max(len(ids) for ids in encoded) + args.max_new_tokens + 64
             llama = LlamaCppPeer(

@@ -13,6 +13,9 @@ first new token was available.
 from __future__ import annotations
 
 import importlib.util
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -24,6 +27,44 @@ from verispec.bench.methods import MethodConfig, RunResult, Sampling
 def llama_cpp_available() -> bool:
     """Whether llama-cpp-python is installed."""
     return importlib.util.find_spec("llama_cpp") is not None
+
+
+_LLAMA_CPP_PROBE = """
+import sys
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=256, n_threads=int(sys.argv[2]), verbose=False)
+for n, _ in enumerate(llm.generate(llm.tokenize(b"Hello, my name is"), temp=0.0)):
+    if n == 3:
+        break
+"""
+"""Loads the GGUF and decodes four tokens, as the bench will."""
+
+
+def child_failure(argv: list[str], timeout: float) -> str | None:
+    """Run ``argv`` in a child process; None when it exits with 0, else how it failed (the signal
+    that killed it, or its exit status and last line of stderr, or the timeout)."""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"no answer within {timeout:.0f} s"
+    except OSError as exc:
+        return f"could not start: {exc}"
+    if done.returncode == 0:
+        return None
+    if done.returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-done.returncode).name}"
+        except ValueError:
+            return f"killed by signal {-done.returncode}"
+    last = (done.stderr.strip().splitlines() or [""])[-1]
+    return f"exit status {done.returncode}" + (f": {last}" if last else "")
+
+
+def llama_cpp_failure(gguf: Path, threads: int, timeout: float = 120.0) -> str | None:
+    """None when llama-cpp-python loads ``gguf`` and decodes a few tokens, in a child process; else
+    how it failed. A llama.cpp build can crash on a CPU it was not made for (one built here for an
+    Intel Xeon with AMX segfaulted in its first decode), and a crash in-process would end the bench."""
+    return child_failure([sys.executable, "-c", _LLAMA_CPP_PROBE, str(gguf), str(threads)], timeout)
 
 
 class _Clock:
