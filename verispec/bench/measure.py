@@ -22,22 +22,14 @@ import torch
 
 from verispec.adaptive import expected_speedup
 from verispec.models.pages import huge_page_bytes
+from verispec.models.schedule import cpu_name
 from verispec.stats import GenerationStats
 
 
 def machine_info() -> dict:
     """CPU, cores, threads and library versions."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
     info = {
-        "cpu": cpu,
+        "cpu": cpu_name(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),

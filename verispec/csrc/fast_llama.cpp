@@ -43,15 +43,16 @@ using i8 = int8_t;
 
 // How `linear` reads paired weights: which tiles serve passes of few input rows, and whether a pass
 // of one row prefetches in software. It never changes any output (every tile forms each element in
-// the same order), only the speed, and the best choice depends on the CPU, so FastLlama measures it
+// the same order), only the speed, and the best choice depends on the CPU. So FastLlama measures it
 // once per machine (verispec/models/schedule.py) and gives it to its kernel object
-// (`FastLlamaKernel::set_schedule`), which passes it to every `linear` call. The defaults are the 2-core AMD EPYC's (Zen 4),
-// where one stream per core with the hardware prefetcher alone reads at full bandwidth. On a 2-core
-// Intel Xeon with AVX-512 (session 11, all of SmolLM2's matrices, 2 threads, min of 8-10 interleaved
-// rounds, ms, defaults -> two-pair tiles from one row and the prefetch on one row): int8 1 row
-// 10.7 -> 8.2, 2 rows 8.4 -> 8.5; float32 1 row 29.4 -> 23.8, 2 rows 28.4 -> 24.8, 9 rows 41.2 ->
-// 35.6; bfloat16 1 row 19.2 -> 14.5, 2 rows 16.1 -> 14.6. On the EPYC the same change cost: two
-// streams at 2 float rows 15.3 -> 17.3 ms, the prefetch on one row 10-25% of the bandwidth.
+// (`FastLlamaKernel::set_schedule`), which passes it to every `linear` call. The defaults are the
+// 2-core AMD EPYC's (Zen 4), where one stream per core with the hardware prefetcher alone reads at
+// full bandwidth. On a 2-core Intel Xeon with AVX-512 (session 11, all of SmolLM2's matrices, 2
+// threads, min of 8-10 interleaved rounds, ms, defaults -> two-pair tiles from one row and the
+// prefetch on one row): int8 1 row 10.7 -> 8.2, 2 rows 8.4 -> 8.5; float32 1 row 29.4 -> 23.8, 2
+// rows 28.4 -> 24.8, 9 rows 41.2 -> 35.6; bfloat16 1 row 19.2 -> 14.5, 2 rows 16.1 -> 14.6. On the
+// EPYC the same changes cost: two streams at 2 float rows 15.3 -> 17.3 ms, the prefetch on one row
+// 10-25% of the bandwidth.
 struct Schedule {
   int64_t two_pair_rows_float = 5;  // passes of at least this many rows use tile2p (float32, bf16)
   int64_t two_pair_rows_int8 = 2;   // ... tile_q2p (int8)
@@ -505,11 +506,11 @@ inline void tile_rows(const float* x, int64_t ldx, const WT* w, int64_t K, int64
   int64_t j = 0;
   if (paired) {  // pair p starts where row 2p would (p * 2K)
 #if defined(__AVX512VL__)
-    // From `two_pair_from` rows (EPYC: five). There, all of the model's matrices,
-    // 2 threads, min / median of 8 alternating rounds, ms: float32 5 rows 19.0 / 20.6 -> 15.9 /
-    // 19.5, 9 rows 24.8 / 26.9 -> 21.1 / 25.5; 2 rows 15.3 / 19.9 -> 17.3 / 21.1 and 3-4 rows within
-    // 1-6% either way (reading the weights from memory, two streams at once cost what the arithmetic
-    // saved). bfloat16: 5 rows 16.5 / 16.8 -> 14.3 / 14.6, 9 rows 25.8 / 26.5 -> 23.3 / 24.5.
+    // From `two_pair_from` rows (EPYC: five). There, all of the model's matrices, 2 threads, min /
+    // median of 8 alternating rounds, ms: float32 5 rows 19.0 / 20.6 -> 15.9 / 19.5, 9 rows 24.8 /
+    // 26.9 -> 21.1 / 25.5; 2 rows 15.3 / 19.9 -> 17.3 / 21.1 and 3-4 rows within 1-6% either way
+    // (reading the weights from memory, two streams at once cost what the arithmetic saved).
+    // bfloat16: 5 rows 16.5 / 16.8 -> 14.3 / 14.6, 9 rows 25.8 / 26.5 -> 23.3 / 24.5.
     if (MR >= two_pair_from) {
       for (; j + 4 <= nr; j += 4)
         tile2p<MR, WT>(x, ldx, w + j * K, K, scale ? scale + j : nullptr, bias ? bias + j : nullptr,
@@ -775,8 +776,9 @@ class FastLlamaKernel {
   // before handing them over.
   void set_paired(bool on) { paired_ = on; }
 
-  // This object's `Schedule` (see there), installed at the start of each of its calls.
-  void set_schedule(int64_t two_pair_rows_float, int64_t two_pair_rows_int8, bool prefetch_one_row) {
+  // This object's `Schedule` (see there), passed to every `linear` call it makes.
+  void set_schedule(int64_t two_pair_rows_float, int64_t two_pair_rows_int8,
+                    bool prefetch_one_row) {
     TORCH_CHECK(two_pair_rows_float >= 1 && two_pair_rows_int8 >= 1, "row counts must be >= 1");
     schedule_ = Schedule{two_pair_rows_float, two_pair_rows_int8, prefetch_one_row};
   }
