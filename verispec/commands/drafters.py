@@ -73,7 +73,8 @@ def lookup_alone_pays(target: KVModel) -> bool:
     of one (0.23 with the head's weights in bfloat16; float32 target: 0.08), more than the head's
     tokens save. Side by side on Spec-Bench (greedy, session 10), lookup first ran at 0.95-0.98 of
     lookup alone's speed in five runs on an int8 target (0.96-1.00 in two with the head in int8),
-    and at 1.08-1.12 of it in four on float32 (benchmarks/DRAFTS.md)."""
+    and at 1.08-1.12 of it in four on float32; on a 2-core Intel Xeon (session 11) the two tied on
+    int8 (1.12-1.15x against 1.13-1.14x) while lookup first led on float32 (benchmarks/DRAFTS.md)."""
     return getattr(target, "dtype", None) == "int8"
 
 

@@ -323,7 +323,6 @@ class FastLlama:
         measured once per machine, outputs the same either way); None without the kernel."""
         if self._kernel is not None:
             self.kernel_schedule = schedule.apply(self)
-            self.reset(max_batch_size)
 
     @property
     def record_hidden(self) -> bool:

@@ -77,8 +77,9 @@ def faster(seconds: dict[str, list[float]], margin: float = 0.03) -> str:
 def measure(model: Any, rounds: int = 6, context: int = 64) -> dict[str, list[float]]:
     """Seconds of a one-token plus a five-token forward of ``model`` (a kernel ``FastLlama``) after
     ``context`` tokens, per schedule, the schedules interleaved over ``rounds`` (the first is warm-up
-    and not kept). Leaves the model's cache empty and its kernel on :data:`DEFAULT`."""
-    kernel = model._kernel
+    and not kept). Leaves the model's cache empty, for as many rows as before, and its kernel on
+    :data:`DEFAULT`."""
+    kernel, batch = model._kernel, model._batch
     ids = torch.arange(context + 5).remainder(model.vocab_size).view(1, -1)  # [1, context + 5]
     model.reset(1)
     model.forward(ids[:, :context], logits="none")
@@ -94,7 +95,7 @@ def measure(model: Any, rounds: int = 6, context: int = 64) -> dict[str, list[fl
             if r:
                 times[name].append(time.perf_counter() - start)
     kernel.set_schedule(*SCHEDULES[DEFAULT])
-    model.reset(1)
+    model.reset(batch)
     return times
 
 
@@ -112,8 +113,8 @@ def _read_cache() -> dict[str, str]:
     return data if isinstance(data, dict) else {}
 
 
-def _write_cache(key: str, name: str) -> None:
-    data = _read_cache()
+def _write_cache(data: dict[str, str], key: str, name: str) -> None:
+    """Store ``name`` under ``key`` in ``data`` (the cache as read) and write it back."""
     data[key] = name
     path = _cache_file()
     try:
@@ -143,9 +144,10 @@ def apply(model: Any) -> str:
         name = DEFAULT
     else:
         key = f"{cpu_name()}|{model.dtype}|{size}|{torch.get_num_threads()} threads"
-        name = _read_cache().get(key, "")
+        cached = _read_cache()
+        name = cached.get(key, "")
         if name not in SCHEDULES:
             name = faster(measure(model))
-            _write_cache(key, name)
+            _write_cache(cached, key, name)
     model._kernel.set_schedule(*SCHEDULES[name])
     return name
