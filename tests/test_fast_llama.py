@@ -27,6 +27,7 @@ from transformers import (
 from verispec.models.base import KVModel
 from verispec.models.fast_llama import (
     FastLlama,
+    _linear,
     _pairs_ok,
     _plain_rows,
     _quantize_rows,
@@ -402,6 +403,46 @@ def test_long_prefill_in_bfloat16_products_stays_close_and_decode_is_untouched(
     torch.testing.assert_close(p16, p32, rtol=0.05, atol=0.02)
     torch.testing.assert_close(d16, d32, rtol=0.05, atol=0.02)  # decoding after either prefill
     assert torch.equal(s16, s32)  # a short call is not a long prefill
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_long_prefill_attention_runs_in_the_products_dtype(
+    dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``prefill_compute`` set, a long prefill's attention takes bfloat16 inputs; without it,
+    float32. Either way the model's outputs are float32."""
+    seen: list[torch.dtype] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        seen.append(q.dtype)
+        return sdpa(q, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(3))
+    for compute in (None, torch.bfloat16):
+        fast = FastLlama.from_hf(_qwen2(), dtype=dtype, use_kernel=False)
+        fast.kernel_prefill_max = {dtype: 16}
+        fast.prefill_compute = compute
+        seen.clear()
+        assert fast.forward(ids).dtype == torch.float32
+        assert seen and set(seen) == {compute or torch.float32}
+
+
+def test_linear_takes_inputs_already_in_the_compute_dtype() -> None:
+    """``_linear`` of a bfloat16 input (attention's output in a bfloat16 prefill) is float32 and
+    equals the product of the widened weights, then the scale, then the bias."""
+    gen = torch.Generator().manual_seed(4)
+    q, scale = _quantize_rows(torch.randn(24, 32, generator=gen))
+    x = torch.randn(5, 32, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(24, generator=gen)
+    got = _linear(x, q, bias, scale, torch.bfloat16)
+    want = torch.nn.functional.linear(x, q.to(torch.bfloat16)).float() * scale + bias
+    assert got.dtype == torch.float32
+    assert torch.equal(got, want)
+    plain = _linear(x, q.to(torch.bfloat16), compute=torch.bfloat16)  # bfloat16 weights, no scale
+    assert plain.dtype == torch.float32
+    assert torch.equal(plain, torch.nn.functional.linear(x, q.to(torch.bfloat16)).float())
 
 
 def test_float32_weights_keep_float32_prefill() -> None:
