@@ -518,9 +518,10 @@ def test_int8_kernel_linear_on_paired_weights_is_the_same_exact_product(K: int) 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_float_kernel_linear_on_paired_weights_is_bitwise_the_row_major_one(dtype: torch.dtype) -> None:
     """Pair-interleaved float32 and bfloat16 weights meet 5-6 input rows (or, by the machine's
-    schedule, any number) in tiles of two pairs; every output element keeps the row-major tile's
-    chain of products, so for any schedule, row count and block remainder the product is bitwise
-    the same."""
+    schedule, any number) in tiles of two pairs, and float32 ones up to 12 rows in 512-bit tiles
+    where the kernel has them (from ``set_wide_float_rows`` rows; 0 turns them off); every output
+    element keeps the row-major tile's chain of products, so for any schedule, row count and block
+    remainder the product is bitwise the same."""
     from verispec.models.fast_llama import _interleave_pairs, _load_kernel
     from verispec.models.schedule import SCHEDULES
 
@@ -532,13 +533,17 @@ def test_float_kernel_linear_on_paired_weights_is_bitwise_the_row_major_one(dtyp
         paired = w.clone()
         _interleave_pairs(paired)
         assert not torch.equal(paired, w)
-        for m in (1, 2, 3, 4, 5, 6, 7, 9, 13):
+        # 512-bit passes of up to 12 rows: 13 = 7 + 6, 25 = 12 + 12 + 1
+        for m in (1, 2, 3, 4, 5, 6, 7, 9, 12, 13, 16, 25):
             x = torch.randn(m, 104, generator=g)
             want = kernel.linear(x, w, bias, None)
             torch.testing.assert_close(want, x @ w.float().T + bias, rtol=1e-5, atol=1e-5)
             for name, sched in SCHEDULES.items():
                 kernel.set_schedule(*sched)
-                assert torch.equal(kernel.linear(x, paired, bias, None, paired=True), want), (n, m, name)
+                for wide in (0, 1, 6):
+                    kernel.set_wide_float_rows(wide)
+                    got = kernel.linear(x, paired, bias, None, paired=True)
+                    assert torch.equal(got, want), (n, m, name, wide)
 
 
 def test_weights_on_huge_pages_where_the_os_allows() -> None:

@@ -22,7 +22,8 @@
 // 16 weights by 16 activations in one or two.
 //
 // Compiled at first use by torch.utils.cpp_extension.load with -mavx2 -mfma (and -mavx512vnni
-// -mavx512vl where the CPU has them; both builds give bitwise the same integers).
+// -mavx512vl where the CPU has them; both builds give bitwise the same integers; and -mavx512f on
+// AVX-512 CPUs, for `tile2p_z`, whose float32 products are bitwise those of the 256-bit tiles).
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -57,6 +58,8 @@ struct Schedule {
   int64_t two_pair_rows_float = 5;  // passes of at least this many rows use tile2p (float32, bf16)
   int64_t two_pair_rows_int8 = 2;   // ... tile_q2p (int8)
   bool prefetch_one_row = false;    // software prefetch in a paired pass of one input row
+  int64_t wide_float_rows = 6;      // paired float32 products of at least this many input rows
+                                    // use 512-bit tiles (`tile2p_z`) where compiled; 0: never
 };
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -498,6 +501,46 @@ inline void tile2p(const float* x, int64_t ldx, const WT* w, int64_t K, const fl
 }
 #endif
 
+#if defined(__AVX512F__)
+// tile2p for float32 weights in 512-bit registers. A pair's chunk of 8 weights of both rows,
+// [row 2p: k .. k+7 | row 2p+1: k .. k+7], is one load, and meets the input's 8 values repeated
+// in both halves: one fma does the work of two of tile2p's, and lane l of each half forms exactly
+// the chain that lane l of tile2p's register for that row forms. Each half then goes through the
+// same hsum, so the outputs are bitwise the same as tile2p's (and tile's).
+template <int MR>
+inline void tile2p_z(const float* x, int64_t ldx, const float* w, int64_t K, const float* scale,
+                     const float* bias, float* y, int64_t ldy, bool accumulate, int64_t pf) {
+  const float* p0 = w;
+  const float* p1 = w + 2 * K;
+  __m512 acc[MR][2];
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {  // paired: K % 8 == 0, no tail
+    const __m512 w0 = _mm512_loadu_ps(p0 + 2 * k);
+    const __m512 w1 = _mm512_loadu_ps(p1 + 2 * k);
+    if (pf != 0 && (2 * k) % 16 == 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(p0 + 2 * k + pf), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(p1 + 2 * k + pf), _MM_HINT_T1);
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xv = _mm512_castpd_ps(
+          _mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(x + i * ldx + k))));
+      acc[i][0] = _mm512_fmadd_ps(xv, w0, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(xv, w1, acc[i][1]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    for (int j = 0; j < 4; ++j) {
+      const __m512 a = acc[i][j / 2];
+      const __m256 half = j % 2 == 0 ? _mm512_castps512_ps256(a)
+                                     : _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+      finish_dot(hsum(half), scale, bias, j, y + i * ldy + j, accumulate);
+    }
+  }
+}
+#endif
+
 // Rows m0 .. m0+MR of the input against weight rows n0 .. n0+nr (nr <= 4).
 template <int MR, typename WT>
 inline void tile_rows(const float* x, int64_t ldx, const WT* w, int64_t K, int64_t nr,
@@ -548,6 +591,43 @@ inline void tile_any(int64_t mr, const float* x, int64_t ldx, const WT* w, int64
   }
 }
 
+#if defined(__AVX512F__)
+// Paired float32 weights with tile2p_z, which keeps up to 12 input rows in registers (24
+// accumulators), so a verification of 9 tokens reads each block of weights once, not twice.
+// Measured on the 2-core Xeon (session 12; all of SmolLM2's matrices, 2 threads, min of 8
+// interleaved rounds, ms, 256-bit -> 512-bit tiles): 9 rows 37.6 -> 29.5, 12 rows 50.6 -> 34.4;
+// one thread from L2: 5 rows 36 -> 28 us, 9 rows 66-74 -> 44-47. A whole forward of 9 tokens at
+// 200 cached: 33.5-39.3 -> 30.8-34.8 (1.46-1.63 -> 1.30-1.48 of one token). Five rows from memory
+// gained nothing (bound by reading the weights), hence `Schedule::wide_float_rows` = 6.
+template <int MR>
+inline void tile_rows_wide(const float* x, int64_t ldx, const float* w, int64_t K, int64_t nr,
+                           const float* scale, const float* bias, float* y, int64_t ldy, bool acc,
+                           int64_t pf) {
+  int64_t j = 0;
+  for (; j + 4 <= nr; j += 4)
+    tile2p_z<MR>(x, ldx, w + j * K, K, scale ? scale + j : nullptr, bias ? bias + j : nullptr,
+                 y + j, ldy, acc, pf);
+  for (int64_t m = 0; j < nr && m < MR; m += 6)  // a last pair: pair tiles, 6 rows at a time
+    tile_any(std::min<int64_t>(6, MR - m), x + m * ldx, ldx, w + j * K, K, nr - j,
+             scale ? scale + j : nullptr, bias ? bias + j : nullptr, y + m * ldy + j, ldy, acc, pf,
+             true, 1);
+}
+
+inline void tile_any_wide(int64_t mr, const float* x, int64_t ldx, const float* w, int64_t K,
+                          int64_t nr, const float* scale, const float* bias, float* y,
+                          int64_t ldy, bool acc, int64_t pf) {
+#define VERISPEC_WIDE(R) \
+  case R: return tile_rows_wide<R>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf)
+  switch (mr) {
+    VERISPEC_WIDE(1); VERISPEC_WIDE(2); VERISPEC_WIDE(3); VERISPEC_WIDE(4);
+    VERISPEC_WIDE(5); VERISPEC_WIDE(6); VERISPEC_WIDE(7); VERISPEC_WIDE(8);
+    VERISPEC_WIDE(9); VERISPEC_WIDE(10); VERISPEC_WIDE(11);
+    default: return tile_rows_wide<12>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf);
+  }
+#undef VERISPEC_WIDE
+}
+#endif
+
 // Prefetch distance in bytes (about 1-2 blocks of rows ahead). Measured on the 2-core EPYC, all
 // SmolLM2 matrices, 1 / 5 input rows, min of 13 interleaved rounds: float32 37 KB 19.1 / 19.0 ms,
 // 74 KB 19.0 / 19.6; bfloat16 18 KB 11.5 / 19.1, 74 KB 13.0 / 20.6; int8 9 KB 9.0 / 14.9, 18 KB
@@ -561,7 +641,7 @@ constexpr int64_t kPrefetchBytes = 24 * 1024;
 // the first pass prefetches, later ones find the block in L1/L2. `pass(m, mr, n0, nr, first)` computes
 // input rows m .. m+mr against weight rows n0 .. n0+nr.
 template <typename Pass>
-void for_each_pass(int64_t M, int64_t N, const Pass& pass) {
+void for_each_pass(int64_t M, int64_t N, const Pass& pass, int64_t most = 6) {
   constexpr int64_t NB = 8;
   const int64_t nblocks = (N + NB - 1) / NB;
   at::parallel_for(0, nblocks, 16, [&](int64_t b0, int64_t b1) {
@@ -570,7 +650,7 @@ void for_each_pass(int64_t M, int64_t N, const Pass& pass) {
       const int64_t nr = std::min(NB, N - n0);
       for (int64_t m = 0; m < M;) {
         const int64_t rest = M - m;
-        const int64_t mr = rest <= 6 ? rest : rest <= 12 ? (rest + 1) / 2 : 6;
+        const int64_t mr = rest <= most ? rest : rest <= 2 * most ? (rest + 1) / 2 : most;
         pass(m, mr, n0, nr, m == 0);
         m += mr;
       }
@@ -607,6 +687,19 @@ void linear(const float* x, int64_t M, int64_t ldx, const WT* w, int64_t N, int6
                  sched.two_pair_rows_int8);
     });
   } else {
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<WT, float>) {
+      const int64_t wide = std::max(sched.wide_float_rows, sched.two_pair_rows_float);
+      if (paired && sched.wide_float_rows > 0 && M >= wide) {
+        for_each_pass(M, N, [&](int64_t m, int64_t mr, int64_t n0, int64_t nr, bool first) {
+          tile_any_wide(mr, x + m * ldx, ldx, w + n0 * K, K, nr, scale ? scale + n0 : nullptr,
+                        bias ? bias + n0 : nullptr, y + m * ldy + n0, ldy, accumulate,
+                        first ? pf : 0);
+        }, 12);
+        return;
+      }
+    }
+#endif
     for_each_pass(M, N, [&](int64_t m, int64_t mr, int64_t n0, int64_t nr, bool first) {
       tile_any(mr, x + m * ldx, ldx, w + n0 * K, K, nr, scale ? scale + n0 : nullptr,
                bias ? bias + n0 : nullptr, y + m * ldy + n0, ldy, accumulate, first ? pf : 0,
@@ -780,7 +873,15 @@ class FastLlamaKernel {
   void set_schedule(int64_t two_pair_rows_float, int64_t two_pair_rows_int8,
                     bool prefetch_one_row) {
     TORCH_CHECK(two_pair_rows_float >= 1 && two_pair_rows_int8 >= 1, "row counts must be >= 1");
-    schedule_ = Schedule{two_pair_rows_float, two_pair_rows_int8, prefetch_one_row};
+    schedule_ = Schedule{two_pair_rows_float, two_pair_rows_int8, prefetch_one_row,
+                         schedule_.wide_float_rows};
+  }
+
+  // From how many input rows paired float32 products use 512-bit tiles (0: never). The outputs
+  // are bitwise the same either way (tests compare them).
+  void set_wide_float_rows(int64_t rows) {
+    TORCH_CHECK(rows >= 0, "rows must be >= 0");
+    schedule_.wide_float_rows = rows;
   }
 
   pybind11::tuple get_schedule() const {
@@ -1212,6 +1313,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_schedule", &FastLlamaKernel::set_schedule, pybind11::arg("two_pair_rows_float"),
            pybind11::arg("two_pair_rows_int8"), pybind11::arg("prefetch_one_row"))
       .def("get_schedule", &FastLlamaKernel::get_schedule)
+      .def("set_wide_float_rows", &FastLlamaKernel::set_wide_float_rows)
       .def("set_rope", &FastLlamaKernel::set_rope)
       .def("set_cache", &FastLlamaKernel::set_cache)
       .def("move_positions", &FastLlamaKernel::move_positions)
