@@ -533,8 +533,9 @@ inline void tile2p_z(const float* x, int64_t ldx, const float* w, int64_t K, con
   for (int i = 0; i < MR; ++i) {
     for (int j = 0; j < 4; ++j) {
       const __m512 a = acc[i][j / 2];
-      const __m256 half = j % 2 == 0 ? _mm512_castps512_ps256(a)
-                                     : _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+      const __m256 half =
+          j % 2 == 0 ? _mm512_castps512_ps256(a)
+                     : _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
       finish_dot(hsum(half), scale, bias, j, y + i * ldy + j, accumulate);
     }
   }
@@ -636,10 +637,11 @@ inline void tile_any_wide(int64_t mr, const float* x, int64_t ldx, const float* 
 constexpr int64_t kPrefetchBytes = 24 * 1024;
 
 // The schedule shared by every weight type: threads split the weight rows into blocks of 8; each
-// block meets the input rows in passes of up to 6 (split evenly, 9 = 5 + 4, not 6 + 3: fewer passes
-// means fewer weight loads per multiply; the split never changes any element's arithmetic), and only
-// the first pass prefetches, later ones find the block in L1/L2. `pass(m, mr, n0, nr, first)` computes
-// input rows m .. m+mr against weight rows n0 .. n0+nr.
+// block meets the input rows in passes of up to `most` rows (6; 12 for the 512-bit float32 tiles),
+// split evenly (with 6: 9 = 5 + 4, not 6 + 3: fewer passes means fewer weight loads per multiply;
+// the split never changes any element's arithmetic), and only the first pass prefetches, later
+// ones find the block in L1/L2. `pass(m, mr, n0, nr, first)` computes input rows m .. m+mr against
+// weight rows n0 .. n0+nr.
 template <typename Pass>
 void for_each_pass(int64_t M, int64_t N, const Pass& pass, int64_t most = 6) {
   constexpr int64_t NB = 8;
