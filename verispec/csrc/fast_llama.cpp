@@ -1154,15 +1154,7 @@ class FastLlamaKernel {
       rmsnorm(x, M, H, L.post_norm.data_ptr<float>(), eps_, xn);
       linear(xn, M, H, wptr<WT>(L.wgu.w), 2 * I, H, L.wgu.sc(), nullptr, gu_.data(), 2 * I, false,
              L.wgu.paired, schedule_);
-      // SwiGLU, one element at a time (scalar expf: 5 rows x 1536 took 2 ms of a 31 ms forward on
-      // one thread), split over the threads.
-      at::parallel_for(0, M * I, 2048, [&](int64_t e0, int64_t e1) {
-        for (int64_t e = e0; e < e1; ++e) {
-          const int64_t m = e / I, k = e % I;
-          const float* g = gu_.data() + m * 2 * I;
-          act_[m * I + k] = g[k] / (1.0f + std::exp(-g[k])) * g[I + k];
-        }
-      });
+      swiglu(M, I);
       linear(act_.data(), M, I, wptr<WT>(L.wdown.w), H, I, L.wdown.sc(), nullptr, x, H, true,
              L.wdown.paired, schedule_);
     }
@@ -1238,6 +1230,29 @@ class FastLlamaKernel {
           items_.push_back({slot, g, first + n * i / pieces, first + n * (i + 1) / pieces});
       }
     }
+  }
+
+  // act_[m, k] = silu(gate) * up from gu_ [M, 2I] (gate, then up): g / (1 + exp(-g)) * u, with
+  // exp8 on every 8 whole columns and std::exp on the last I % 8 (each element's arithmetic depends
+  // only on its column, so tokens stay independent), rows split over the threads. The scalar expf
+  // took 0.6-1 ms of a 5-token int8 forward (perf: 4-6% of its samples); on the Xeon, 6 interleaved
+  // rounds at 200 cached tokens, ms: int8 1 / 5 / 9 tokens 11.2 / 15.9 / 25.4 -> 11.0 / 14.8 / 24.0,
+  // float32 24.9 / 26.1 / 29.9 -> 24.0 / 26.6 / 28.6.
+  void swiglu(int64_t M, int64_t I) {
+    const int64_t I8 = I - I % 8;
+    at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) {
+        const float* g = gu_.data() + m * 2 * I;
+        float* a = act_.data() + m * I;
+        for (int64_t k = 0; k < I8; k += 8) {
+          const __m256 gv = _mm256_loadu_ps(g + k);
+          const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+          const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+          _mm256_storeu_ps(a + k, _mm256_mul_ps(s, _mm256_loadu_ps(g + I + k)));
+        }
+        for (int64_t k = I8; k < I; ++k) a[k] = g[k] / (1.0f + std::exp(-g[k])) * g[I + k];
+      }
+    });
   }
 
   // Causal attention of each token over its own row's cache positions 0 .. ctx - 1, then itself
