@@ -111,6 +111,10 @@ inline void finish_dot(float s, const float* scale, const float* bias, int64_t j
 template <typename WT>
 constexpr int64_t kPairChunk = std::is_same_v<WT, i8> ? 16 : 8;
 
+// Weights of type WT per 64-byte cache line: the tiles prefetch once per line of each stream.
+template <typename WT>
+constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(WT));
+
 // Whether an [n, k] weight of this type can be pair-interleaved: whole pairs and whole chunks (no
 // scalar tail). FastLlama applies the same rule when it rearranges the weights.
 inline bool paired_ok(at::ScalarType t, int64_t n, int64_t k) {
@@ -136,7 +140,6 @@ template <int MR, int NR, typename WT>
 inline void tile(const float* x, int64_t ldx, const WT* w, int64_t K, int64_t rs, int64_t kp,
                  const float* scale, const float* bias, float* y, int64_t ldy, bool accumulate,
                  int64_t pf) {
-  constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(WT));  // weights per cache line
   __m256 acc[MR][NR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
@@ -147,7 +150,7 @@ inline void tile(const float* x, int64_t ldx, const WT* w, int64_t K, int64_t rs
     __m256 wv[NR];
 #pragma GCC unroll 4
     for (int j = 0; j < NR; ++j) wv[j] = load8(w + j * rs + k * kp);
-    if (pf != 0 && (k * kp) % kLine == 0) {  // one prefetch per line of each stream
+    if (pf != 0 && (k * kp) % kLine<WT> == 0) {  // one prefetch per line of each stream
 #pragma GCC unroll 4
       for (int j = 0; j < (kp == 1 ? NR : 1); ++j)
         _mm_prefetch(reinterpret_cast<const char*>(w + j * rs + k * kp + pf), _MM_HINT_T1);
@@ -219,7 +222,7 @@ inline void tile_q(const int16_t* x, int64_t ldx, const float* xs, const i8* w, 
       __m256i wv[NR];
 #pragma GCC unroll 4
       for (int j = 0; j < NR; ++j) wv[j] = load16(w + j * rs + k * kp);
-      if (pf != 0 && (k * kp) % 64 == 0) {
+      if (pf != 0 && (k * kp) % kLine<i8> == 0) {
 #pragma GCC unroll 4
         for (int j = 0; j < (kp == 1 ? NR : 1); ++j)
           _mm_prefetch(reinterpret_cast<const char*>(w + j * rs + k * kp + pf), _MM_HINT_T1);
@@ -286,7 +289,7 @@ inline void tile_q2p(const int16_t* x, int64_t ldx, const float* xs, const i8* w
       wv[1] = load16(p0 + 2 * k + 16);
       wv[2] = load16(p1 + 2 * k);
       wv[3] = load16(p1 + 2 * k + 16);
-      if (pf != 0 && (2 * k) % 64 == 0) {
+      if (pf != 0 && (2 * k) % kLine<i8> == 0) {
         _mm_prefetch(reinterpret_cast<const char*>(p0 + 2 * k + pf), _MM_HINT_T1);
         _mm_prefetch(reinterpret_cast<const char*>(p1 + 2 * k + pf), _MM_HINT_T1);
       }
@@ -471,7 +474,6 @@ template <int MR, typename WT>
 inline void tile2p(const float* x, int64_t ldx, const WT* w, int64_t K, const float* scale,
                    const float* bias, float* y, int64_t ldy, bool accumulate, int64_t pf) {
   constexpr int64_t C = kPairChunk<WT>;
-  constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(WT));
   const WT* p0 = w;
   const WT* p1 = w + 2 * K;
   __m256 acc[MR][4];
@@ -485,7 +487,7 @@ inline void tile2p(const float* x, int64_t ldx, const WT* w, int64_t K, const fl
     wv[1] = load8(p0 + 2 * k + C);
     wv[2] = load8(p1 + 2 * k);
     wv[3] = load8(p1 + 2 * k + C);
-    if (pf != 0 && (2 * k) % kLine == 0) {
+    if (pf != 0 && (2 * k) % kLine<WT> == 0) {
       _mm_prefetch(reinterpret_cast<const char*>(p0 + 2 * k + pf), _MM_HINT_T1);
       _mm_prefetch(reinterpret_cast<const char*>(p1 + 2 * k + pf), _MM_HINT_T1);
     }
@@ -518,7 +520,7 @@ inline void tile2p_z(const float* x, int64_t ldx, const float* w, int64_t K, con
   for (int64_t k = 0; k < K; k += 8) {  // paired: K % 8 == 0, no tail
     const __m512 w0 = _mm512_loadu_ps(p0 + 2 * k);
     const __m512 w1 = _mm512_loadu_ps(p1 + 2 * k);
-    if (pf != 0 && (2 * k) % 16 == 0) {
+    if (pf != 0 && (2 * k) % kLine<float> == 0) {
       _mm_prefetch(reinterpret_cast<const char*>(p0 + 2 * k + pf), _MM_HINT_T1);
       _mm_prefetch(reinterpret_cast<const char*>(p1 + 2 * k + pf), _MM_HINT_T1);
     }
