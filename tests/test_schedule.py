@@ -34,6 +34,7 @@ class _Model:
     def __init__(self, size: int) -> None:
         self._kernel = _Kernel()
         self.size = size
+        self.kernel_prefill_max = {"float32": 96, "int8": 96}
 
     def weight_bytes(self) -> int:
         return self.size
@@ -88,3 +89,64 @@ def test_an_unreadable_cache_is_measured_again(timed, tmp_path) -> None:
     (tmp_path / "kernel_schedule.json").write_text("not json")
     assert schedule.apply(_Model(schedule.MIN_TUNED_BYTES)) == "two-stream"
     assert len(timed) == 1
+
+
+def _times(kernel: dict[int, float], torch: dict[int, float]) -> dict[str, dict[int, list[float]]]:
+    """Measured times with noise above each least one, which is what counts."""
+    return {
+        "kernel": {t: [v * 1.3, v] for t, v in kernel.items()},
+        "torch": {t: [v, v * 1.5] for t, v in torch.items()},
+    }
+
+
+def test_prefill_crossing_is_where_the_two_lines_meet() -> None:
+    # kernel 1 s + 0.01 s per token, torch 1.5 s + 0.005 s per token: they meet at 100 tokens
+    times = _times({48: 1.48, 160: 2.6}, {48: 1.74, 160: 2.3})
+    assert schedule.prefill_crossing(times) == 96  # 100, rounded down to a multiple of 8
+    # torch ahead at both lengths and gaining: the lines met below them (41.4 tokens), or would
+    # have below the floor
+    assert schedule.prefill_crossing(_times({48: 1.0, 160: 3.0}, {48: 0.9, 160: 1.2})) == 40
+    assert schedule.prefill_crossing(_times({48: 1.0, 160: 3.0}, {48: 0.3, 160: 0.6})) == 16
+    # the kernel ahead and gaining: as far as the limit allows
+    assert schedule.prefill_crossing(_times({48: 0.5, 160: 1.0}, {48: 1.0, 160: 2.0})) == 512
+    assert schedule.prefill_crossing(_times({48: 1.0, 160: 2.0}, {48: 0.5, 160: 1.0})) == 16
+
+
+@pytest.fixture
+def prefill_timed(monkeypatch: pytest.MonkeyPatch, tmp_path) -> list[int]:
+    """A cache in tmp_path and a fake prefill measurement that crosses at 128 tokens."""
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    monkeypatch.delenv(schedule.PREFILL_ENV, raising=False)
+    calls: list[int] = []
+
+    def measure_prefill(model, sizes=schedule.PREFILL_SIZES, rounds: int = 3):
+        calls.append(1)
+        return _times({48: 0.48, 160: 1.6}, {48: 0.8, 160: 1.6 - 0.32 * 32 / 112})
+
+    monkeypatch.setattr(schedule, "measure_prefill", measure_prefill)
+    return calls
+
+
+def test_apply_prefill_measures_once_per_machine_and_format(prefill_timed, tmp_path) -> None:
+    model = _Model(schedule.MIN_TUNED_BYTES)
+    assert schedule.apply_prefill(model) == 128
+    assert model.kernel_prefill_max == {"float32": 96, "int8": 128}  # only its own format
+    cached = json.loads((tmp_path / "kernel_schedule.json").read_text())
+    assert list(cached.values()) == [128] and next(iter(cached)).startswith("prefill|")
+    again = _Model(model.size)
+    assert schedule.apply_prefill(again) == 128 and len(prefill_timed) == 1
+    assert schedule.apply_prefill(_Model(model.size + 1)) == 128 and len(prefill_timed) == 2
+
+
+def test_apply_prefill_keeps_small_models_and_obeys_the_environment(
+    prefill_timed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert schedule.apply_prefill(_Model(schedule.MIN_TUNED_BYTES - 1)) == 96 and not prefill_timed
+    monkeypatch.setenv(schedule.PREFILL_ENV, "200")
+    model = _Model(schedule.MIN_TUNED_BYTES)
+    assert schedule.apply_prefill(model) == 200 and model.kernel_prefill_max["int8"] == 200
+    assert not prefill_timed
+    for bad in ("lots", "-1"):
+        monkeypatch.setenv(schedule.PREFILL_ENV, bad)
+        with pytest.raises(ConfigError, match="VERISPEC_KERNEL_PREFILL_MAX"):
+            schedule.apply_prefill(model)

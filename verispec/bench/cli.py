@@ -412,6 +412,10 @@ def run(args: argparse.Namespace) -> int:
             "draft_cost": {m: c for (m, dd), c in draft_cost.items() if dd == d},
             # How the kernel read the paired weights (verispec.models.schedule); None: no kernel.
             "kernel_schedule": getattr(t, "kernel_schedule", None),
+            # Prompts up to this many tokens ran on the kernel, longer ones on the torch path.
+            "kernel_prefill_max": (
+                t.kernel_prefill_max.get(d) if getattr(t, "_kernel", None) is not None else None
+            ),
         }
     first = by_dtype[dtypes[0]]
     from verispec.commands.generate import memory_report

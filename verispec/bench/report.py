@@ -46,6 +46,11 @@ def markdown(results: dict) -> str:
             f"({_fmt(d.get('plain_fraction_of_bound'), '.0%')} of the bound), verify_cost_ratio "
             f"{_fmt(d['verify_cost_ratio'])}{_verify_samples(d)}"
             + (f", kernel schedule {d['kernel_schedule']}" if d.get("kernel_schedule") else "")
+            + (
+                f", kernel prompts up to {d['kernel_prefill_max']} tokens"
+                if d.get("kernel_prefill_max") is not None
+                else ""
+            )
         )
     mem = results.get("memory_bytes") or {}
     if mem:

@@ -1324,7 +1324,7 @@ class FastLlamaKernel {
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  pybind11::class_<FastLlamaKernel>(m, "FastLlamaKernel")
+  pybind11::class_<FastLlamaKernel>(m, "FastLlamaKernel", pybind11::module_local())
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double>())
       .def("add_layer", &FastLlamaKernel::add_layer)
       .def("set_head", &FastLlamaKernel::set_head)

@@ -259,10 +259,11 @@ class FastLlama:
     kernel_prefill_max: dict[str, int] = {"float32": 96, "bfloat16": 96, "int8": 96}
     """Calls up to this many tokens per row (by weight format) still run on the kernel, in pieces of
     ``kernel_max_tokens``: below it the torch path's fixed costs (widening bfloat16/int8 weights to a
-    float32 copy, small-GEMM overheads) exceed the kernel's. Measured on the 2-core EPYC (session 4,
-    min of 3, kernel against torch, ms): float32 48 tokens 105 / 140, 64 201 / 200, 96 250 / 272,
-    128 348 / 326, 256 676 / 548; int8 96 255 / 386, 128 354 / 344; bfloat16 96 253 / 315, 128
-    335 / 358. Short chat prompts (40-90 tokens) are the common case."""
+    float32 copy, small-GEMM overheads) exceed the kernel's. These defaults are the 2-core EPYC's
+    (session 4, min of 3, kernel against torch, ms): float32 48 tokens 105 / 140, 64 201 / 200, 96
+    250 / 272, 128 348 / 326, 256 676 / 548; int8 96 255 / 386, 128 354 / 344; bfloat16 96 253 /
+    315, 128 335 / 358. Models of real size replace the one for their format per instance with the
+    crossing measured once per machine (:func:`verispec.models.schedule.apply_prefill`)."""
     pair_weights: bool = True
     """Whether ``from_hf`` hands the kernel its matrices (layers, embedding, head) pair-interleaved
     (``_interleave_pairs``): one stream per pair of weight rows, which one core reads near its full
@@ -331,6 +332,7 @@ class FastLlama:
         measured once per machine, outputs the same either way); None without the kernel."""
         if self._kernel is not None:
             self.kernel_schedule = schedule.apply(self)
+            schedule.apply_prefill(self)
 
     @property
     def record_hidden(self) -> bool:

@@ -14,6 +14,16 @@ So :func:`apply` times both schedules on the model itself (a one-token and a fiv
 interleaved) and keeps the faster. The choice is cached per CPU model, weight format and weight
 size in ``<cache>/kernel_schedule.json``, so the measurement runs once per machine.
 ``VERISPEC_KERNEL_SCHEDULE`` (``one-stream``, ``two-stream`` or ``auto``) overrides it.
+
+The same goes for how long a prompt the kernel still takes (``FastLlama.kernel_prefill_max``): it
+runs a prompt in pieces of 16 tokens, each reading all the weights, where the torch path runs one
+large product per matrix at a fixed cost (float32: a row-major copy of the paired matrices;
+bfloat16 and int8: a float32 or bfloat16 copy). Where they cross depends on the CPU (session 13,
+the Xeon, min of 5, kernel / torch ms): float32 128 tokens 249 / 272, 192 381 / 377; int8 96 115 /
+148, 128 161 / 149; bfloat16, whose torch path runs on AMX, 64 135 / 100. The session-4 EPYC
+crossed near 64-96 for all three. :func:`apply_prefill` times both paths at two prompt lengths and
+puts the crossing where the two lines meet, cached like the schedule; ``VERISPEC_KERNEL_PREFILL_MAX``
+(a number of tokens, or ``auto``) overrides it.
 """
 
 from __future__ import annotations
@@ -41,6 +51,13 @@ DEFAULT = "one-stream"
 """The kernel's own default (the EPYC's best); kept where the measurement cannot decide."""
 
 ENV = "VERISPEC_KERNEL_SCHEDULE"
+PREFILL_ENV = "VERISPEC_KERNEL_PREFILL_MAX"
+PREFILL_SIZES = (64, 160)
+"""Prompt lengths :func:`measure_prefill` times: short chat prompts and the long end of the range
+where the two paths are close."""
+PREFILL_LIMITS = (16, 512)
+"""The crossing :func:`prefill_crossing` returns lies in this range: below the kernel's own call
+size a prompt is one kernel call anyway, and far past the measured lengths a line is a guess."""
 
 MIN_TUNED_BYTES = 64 * 2**20
 """Models whose weights are smaller keep :data:`DEFAULT` untimed: they stay in the caches, where the
@@ -105,7 +122,7 @@ def _cache_file() -> Path:
     return cache_dir() / "kernel_schedule.json"
 
 
-def _read_cache() -> dict[str, str]:
+def _read_cache() -> dict[str, Any]:
     try:
         data = json.loads(_cache_file().read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -113,7 +130,7 @@ def _read_cache() -> dict[str, str]:
     return data if isinstance(data, dict) else {}
 
 
-def _write_cache(data: dict[str, str], key: str, name: str) -> None:
+def _write_cache(data: dict[str, Any], key: str, name: str | int) -> None:
     """Store ``name`` under ``key`` in ``data`` (the cache as read) and write it back."""
     data[key] = name
     path = _cache_file()
@@ -124,6 +141,11 @@ def _write_cache(data: dict[str, str], key: str, name: str) -> None:
         tmp.replace(path)
     except OSError as exc:  # a read-only cache only costs the measurement next time
         logger.warning("could not cache the kernel schedule in %s: %s", path, exc)
+
+
+def _key(model: Any) -> str:
+    """The cache key: CPU model, weight format, weight size and thread count."""
+    return f"{cpu_name()}|{model.dtype}|{model.weight_bytes()}|{torch.get_num_threads()} threads"
 
 
 def apply(model: Any) -> str:
@@ -143,7 +165,7 @@ def apply(model: Any) -> str:
     elif size < MIN_TUNED_BYTES:
         name = DEFAULT
     else:
-        key = f"{cpu_name()}|{model.dtype}|{size}|{torch.get_num_threads()} threads"
+        key = _key(model)
         cached = _read_cache()
         name = cached.get(key, "")
         if name not in SCHEDULES:
@@ -151,3 +173,74 @@ def apply(model: Any) -> str:
             _write_cache(cached, key, name)
     model._kernel.set_schedule(*SCHEDULES[name])
     return name
+
+
+@torch.no_grad()
+def measure_prefill(
+    model: Any, sizes: tuple[int, ...] = PREFILL_SIZES, rounds: int = 3
+) -> dict[str, dict[int, list[float]]]:
+    """Seconds of a prompt of each of ``sizes`` tokens into an empty cache, on the kernel (in its
+    pieces) and on the torch path, alternating over ``rounds`` (after one uncounted warm-up round):
+    ``{"kernel": {T: [s, ...]}, "torch": {...}}``. Leaves ``model`` (a kernel ``FastLlama``) empty,
+    for as many rows as before, with its own ``kernel_prefill_max``."""
+    before, batch = model.kernel_prefill_max, model._batch
+    ids = torch.arange(max(sizes)).remainder(model.vocab_size).view(1, -1)  # [1, max(sizes)]
+    limit = {"kernel": 1 << 30, "torch": 0}
+    times: dict[str, dict[int, list[float]]] = {path: {t: [] for t in sizes} for path in limit}
+    try:
+        for r in range(rounds + 1):
+            for t in sizes:
+                for path in limit if r % 2 else reversed(limit):
+                    model.kernel_prefill_max = {model.dtype: limit[path]}
+                    model.reset(1)
+                    start = time.perf_counter()
+                    model.forward(ids[:, :t], logits="last")
+                    if r:
+                        times[path][t].append(time.perf_counter() - start)
+    finally:
+        model.kernel_prefill_max = before
+        model.reset(batch)
+    return times
+
+
+def prefill_crossing(times: dict[str, dict[int, list[float]]]) -> int:
+    """The prompt length up to which the kernel is faster: where the lines through each path's least
+    times at the two measured lengths meet, rounded down to a multiple of 8 and held within
+    :data:`PREFILL_LIMITS`."""
+    t0, t1 = min(times["kernel"]), max(times["kernel"])
+    k0, k1 = (min(times["kernel"][t]) for t in (t0, t1))
+    c0, c1 = (min(times["torch"][t]) for t in (t0, t1))
+    lo, hi = PREFILL_LIMITS
+    gap0 = c0 - k0  # the kernel's lead at the shorter length (seconds)
+    slope = ((k1 - k0) - (c1 - c0)) / (t1 - t0)  # how fast that lead shrinks per token
+    if slope <= 0:  # the kernel's lead never shrinks
+        return hi if gap0 > 0 else lo
+    return int(min(hi, max(lo, t0 + gap0 / slope))) // 8 * 8
+
+
+def apply_prefill(model: Any) -> int:
+    """Set ``model.kernel_prefill_max`` for its weight format (a kernel ``FastLlama``, its cache
+    empty) and return it: ``VERISPEC_KERNEL_PREFILL_MAX`` if set to a number, the class's default
+    for small models, else the cached crossing for this CPU, format and size, else
+    :func:`measure_prefill` then :func:`prefill_crossing`, cached."""
+    from verispec.config import ConfigError
+
+    wanted = os.environ.get(PREFILL_ENV, "auto") or "auto"
+    if wanted != "auto":
+        try:
+            value = int(wanted)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise ConfigError(f"{PREFILL_ENV} must be auto or a number of tokens; got {wanted!r}")
+    elif model.weight_bytes() < MIN_TUNED_BYTES:
+        value = model.kernel_prefill_max.get(model.dtype, 0)
+    else:
+        key = "prefill|" + _key(model)
+        cached = _read_cache()
+        value = cached.get(key)
+        if not isinstance(value, int) or value < 0:
+            value = prefill_crossing(measure_prefill(model))
+            _write_cache(cached, key, value)
+    model.kernel_prefill_max = {**model.kernel_prefill_max, model.dtype: value}
+    return value
