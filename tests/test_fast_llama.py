@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -117,6 +118,20 @@ def test_chunked_prefill_matches_hf(use_kernel: bool) -> None:
     _close(fast.forward(ids), _reference(hf, ids))
     fast.reset(1)
     _close(fast.forward(ids, logits="last"), _reference(hf, ids)[:, -1])
+
+
+@pytest.mark.parametrize("use_kernel", PATHS)
+@pytest.mark.parametrize("pair", [True, False])
+def test_long_prefill_last_logits_match_hf(use_kernel: bool, pair: bool) -> None:
+    """A prompt on the torch path with only its last logits wanted: with the kernel, its head
+    product runs there (on the paired head, not a row-major copy of it); the logits are HF's."""
+    hf = _llama()
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(13))
+    with patch.object(FastLlama, "pair_weights", pair):
+        fast = FastLlama.from_hf(hf, max_batch_size=2, use_kernel=use_kernel)
+    fast.kernel_prefill_max = {"float32": 16}  # 40 tokens take the torch path
+    _close(fast.forward(ids, logits="last"), _reference(hf, ids)[:, -1])
+    _close(fast.forward(ids[:, :1], logits="last"), _reference(hf, torch.cat([ids, ids[:, :1]], 1))[:, -1])
 
 
 @requires_kernel

@@ -744,6 +744,13 @@ class FastLlama:
         if logits == "last":
             x = x[:, -1]  # [n, hidden]: only the last position pays for the vocab projection
         x = _rms_norm(x, w["norm"], self._eps)
+        rows = x.shape[:-1]
+        if self._kernel is not None and paired and rows.numel() <= self.kernel_max_tokens:
+            # A few rows (a prompt's last position): the kernel reads the paired head once, where
+            # the torch path would first copy it (113 MB in float32) into rows.
+            flat = x.reshape(-1, x.shape[-1]).float().contiguous()  # [rows, hidden]
+            out = self._kernel.linear(flat, w["head"], None, w["head_scale"], paired=_pairs_ok(w["head"]))
+            return out.view(*rows, -1)
         head = _as_rows(w["head"], paired)
         out = _linear(x, head, scale=w["head_scale"], compute=compute).float()
         return out.cpu()  # sampling and acceptance run on the CPU (a no-op there)
