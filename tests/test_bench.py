@@ -291,6 +291,27 @@ def test_goal_faster_format_speculative_against_llama_cpp():
     assert spec["met"] is True and "coding 1.06x" in spec["value"]
 
 
+def test_prompt_lookup_goals_cover_every_weight_format():
+    """The 2x and never-below-0.95x goals are checked for each format's prompt lookup, over that
+    format's own plain decoding (an int8 cell below 0.95x is a miss like a float32 one)."""
+    from verispec.bench.report import goal_checks
+    from verispec.bench.runner import ALL
+
+    def row(label, dtype, cat, speedup):
+        return {"label": label, "method": "prompt-lookup", "dtype": dtype, "category": cat,
+                "speedup": speedup, "adaptive": False, "outputs_match_baseline": True}  # fmt: skip
+
+    rows = []
+    formats = (("prompt-lookup k=4", "float32", 1.0), ("prompt-lookup k=4 [int8]", "int8", 0.94))
+    for label, dtype, low in formats:
+        rows += [row(label, dtype, c, s) for c, s in (("stem", low), ("rag", 1.3), (ALL, 1.1))]
+    checks = {c["goal"]: c for c in goal_checks({"rows": rows, "by_dtype": {}})}
+    assert checks["prompt-lookup k=4 never below 0.95x"]["met"] is True
+    int8 = checks["prompt-lookup k=4 [int8] never below 0.95x"]
+    assert int8["met"] is False and int8["value"].startswith("lowest stem 0.94x")
+    assert checks["prompt-lookup k=4 [int8] >= 2.0x on rag"]["met"] is False
+
+
 def test_adaptive_goal_states_the_gap_with_its_interval_over_prompts():
     """The adaptive row is compared with the best fixed k of the worst category, and the value
     carries the paired interval of adaptive over that fixed k on that category's prompts."""

@@ -277,9 +277,8 @@ def goal_checks(results: dict) -> list[dict]:
                 ", ".join(f"{c} {r:.2f}x" for c, r in per[best].items()),
                 all(r > 1 for r in per[best].values()),
             )
-    lookups = [
-        r for r in rows if r["method"] == "prompt-lookup" and r["dtype"] == "float32" and r["category"] == ALL
-    ]
+    # Every weight format's prompt lookup, over that format's plain decoding.
+    lookups = [r for r in rows if r["method"] == "prompt-lookup" and r["category"] == ALL]
     for lk in lookups:
         per = {c: _row(rows, lk["label"], c)["speedup"] for c in cats}
         if key_cats:
