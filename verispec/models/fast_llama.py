@@ -43,7 +43,9 @@ gets faster and five do not: float32 about 12 / 16-17.6, int8 5.0 / 8.6 (benchma
 
 Which tiles serve passes of few rows, and whether a one-row pass prefetches in software, is chosen
 per machine by timing (``kernel_schedule``, :mod:`verispec.models.schedule`): the EPYC's defaults
-cost a 2-core Intel Xeon (session 11) 10-25% at one row.
+cost a 2-core Intel Xeon (session 11) 10-25% at one row. So is the longest prompt the kernel takes
+before the torch path is faster (``kernel_prefill_max``; on that Xeon float32 ~190 tokens, int8
+~130, bfloat16 ~50, where the EPYC's defaults said 96 for all three).
 
 Weight formats (``DTYPES``): int8 is symmetric with one float32 scale per weight row; on the
 kernel path it multiplies activations quantised per row to int16 (see the C++ source), which left
