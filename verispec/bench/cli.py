@@ -413,9 +413,7 @@ def run(args: argparse.Namespace) -> int:
             # How the kernel read the paired weights (verispec.models.schedule); None: no kernel.
             "kernel_schedule": getattr(t, "kernel_schedule", None),
             # Prompts up to this many tokens ran on the kernel, longer ones on the torch path.
-            "kernel_prefill_max": (
-                t.kernel_prefill_max.get(d) if getattr(t, "_kernel", None) is not None else None
-            ),
+            "kernel_prefill_max": t.kernel_prefill_max.get(d) if getattr(t, "uses_kernel", False) else None,
         }
     first = by_dtype[dtypes[0]]
     from verispec.commands.generate import memory_report

@@ -750,7 +750,7 @@ class FastLlama:
         if self._kernel is not None and paired and rows.numel() <= self.kernel_max_tokens:
             # A few rows (a prompt's last position): the kernel reads the paired head once, where
             # the torch path would first copy it (113 MB in float32) into rows.
-            flat = x.reshape(-1, x.shape[-1]).float().contiguous()  # [rows, hidden]
+            flat = x.reshape(-1, x.shape[-1]).contiguous()  # [rows, hidden] float32
             out = self._kernel.linear(flat, w["head"], None, w["head_scale"], paired=_pairs_ok(w["head"]))
             return out.view(*rows, -1)
         head = _as_rows(w["head"], paired)

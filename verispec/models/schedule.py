@@ -32,12 +32,14 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SCHEDULES: dict[str, tuple[int, int, bool]] = {
     "one-stream": (5, 2, False),
@@ -130,7 +132,7 @@ def _read_cache() -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _write_cache(data: dict[str, Any], key: str, name: str | int) -> None:
+def _write_cache(data: dict[str, Any], key: str, name: object) -> None:
     """Store ``name`` under ``key`` in ``data`` (the cache as read) and write it back."""
     data[key] = name
     path = _cache_file()
@@ -146,6 +148,16 @@ def _write_cache(data: dict[str, Any], key: str, name: str | int) -> None:
 def _key(model: Any) -> str:
     """The cache key: CPU model, weight format, weight size and thread count."""
     return f"{cpu_name()}|{model.dtype}|{model.weight_bytes()}|{torch.get_num_threads()} threads"
+
+
+def _cached(key: str, valid: Callable[[Any], bool], choose: Callable[[], T]) -> T:
+    """The cached choice under ``key`` if ``valid`` accepts it, else ``choose()``, cached."""
+    cached = _read_cache()
+    value = cached.get(key)
+    if not valid(value):
+        value = choose()
+        _write_cache(cached, key, value)
+    return value
 
 
 def apply(model: Any) -> str:
@@ -165,12 +177,7 @@ def apply(model: Any) -> str:
     elif size < MIN_TUNED_BYTES:
         name = DEFAULT
     else:
-        key = _key(model)
-        cached = _read_cache()
-        name = cached.get(key, "")
-        if name not in SCHEDULES:
-            name = faster(measure(model))
-            _write_cache(cached, key, name)
+        name = _cached(_key(model), lambda v: v in SCHEDULES, lambda: faster(measure(model)))
     model._kernel.set_schedule(*SCHEDULES[name])
     return name
 
@@ -236,11 +243,10 @@ def apply_prefill(model: Any) -> int:
     elif model.weight_bytes() < MIN_TUNED_BYTES:
         value = model.kernel_prefill_max.get(model.dtype, 0)
     else:
-        key = "prefill|" + _key(model)
-        cached = _read_cache()
-        value = cached.get(key)
-        if not isinstance(value, int) or value < 0:
-            value = prefill_crossing(measure_prefill(model))
-            _write_cache(cached, key, value)
+        value = _cached(
+            "prefill|" + _key(model),
+            lambda v: isinstance(v, int) and v >= 0,
+            lambda: prefill_crossing(measure_prefill(model)),
+        )
     model.kernel_prefill_max = {**model.kernel_prefill_max, model.dtype: value}
     return value
