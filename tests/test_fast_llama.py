@@ -242,17 +242,21 @@ def test_record_hidden_gives_hf_last_hidden_states(use_kernel: bool) -> None:
 
 @requires_kernel
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
-@pytest.mark.parametrize("shape", ["small", "wide"])
+@pytest.mark.parametrize("shape", ["small", "wide", "head64"])
 def test_kernel_logits_are_bitwise_independent_of_tokens_per_call(dtype: str, shape: str) -> None:
     """Plain greedy (T=1 steps) and verification (T=5 steps) must see identical logits.
 
     "wide": head_dim 76 (a 64-column block, an 8-column block and a scalar tail in every attention
-    sum) after a context of 150 (several 64-key blocks, keys scored 8, 4 and 1 at a time)."""
-    hf = (
-        _mistral()
-        if shape == "small"
-        else _mistral(head_dim=76, max_position_embeddings=256, sliding_window=256)
-    )
+    sum) after a context of 150 (several 64-key blocks, keys scored 8, 4 and 1 at a time).
+    "head64": SmolLM2's head_dim 64 and 3 query heads per key-value head, which AVX-512 CPUs score
+    and sum over in groups of queries (every group size, and keys left over beyond a group's
+    common range)."""
+    long = {"max_position_embeddings": 256, "sliding_window": 256}
+    hf = {
+        "small": lambda: _mistral(),
+        "wide": lambda: _mistral(head_dim=76, **long),
+        "head64": lambda: _mistral(head_dim=64, num_attention_heads=6, **long),
+    }[shape]()
     start = 5 if shape == "small" else 150
     ids = torch.randint(0, VOCAB, (2, start + 20), generator=torch.Generator().manual_seed(8))
     fast = FastLlama.from_hf(hf, dtype=dtype, max_batch_size=2, use_kernel=True)
@@ -580,13 +584,17 @@ def test_weights_on_huge_pages_where_the_os_allows() -> None:
 
 
 @pytest.mark.parametrize("use_kernel", PATHS)
-def test_tree_forward_scores_each_alternative_as_at_its_chain_position(use_kernel: bool) -> None:
+@pytest.mark.parametrize("shape", ["small", "head64"])
+def test_tree_forward_scores_each_alternative_as_at_its_chain_position(use_kernel: bool, shape: str) -> None:
     """A tree call (pending, chain, then alternatives fed at their chain position's offset) gives
     every node the logits it would have in a chain (bitwise on the kernel), and keep_path moves an
-    accepted alternative into place so that decoding goes on as if it had been fed in a chain."""
-    hf = _mistral()
+    accepted alternative into place so that decoding goes on as if it had been fed in a chain.
+    "head64": head_dim 64 after 70 tokens, the kernel's grouped attention (AVX-512)."""
+    long = {"max_position_embeddings": 256, "sliding_window": 256}
+    hf = _mistral() if shape == "small" else _mistral(head_dim=64, num_attention_heads=6, **long)
     gen = torch.Generator().manual_seed(9)
-    prompt = torch.randint(0, VOCAB, (2, 7), generator=gen)
+    n = 7 if shape == "small" else 70
+    prompt = torch.randint(0, VOCAB, (2, n), generator=gen)
     chain = torch.randint(0, VOCAB, (2, 4), generator=gen)  # pending token then 3 drafts
     alt = torch.randint(0, VOCAB, (2, 2), generator=gen)  # alternatives at chain offsets 1 and 2
     after = torch.randint(0, VOCAB, (2, 3), generator=gen)
@@ -612,18 +620,18 @@ def test_tree_forward_scores_each_alternative_as_at_its_chain_position(use_kerne
     fast.reset(2)
     fast.forward(prompt, logits="none")
     fast.forward(tree, offsets=offsets)
-    fast.keep_path(0, 7, [0, 1, 5])
-    fast.truncate(torch.tensor([10, 11]))
+    fast.keep_path(0, n, [0, 1, 5])
+    fast.truncate(torch.tensor([n + 3, n + 4]))
     kept = torch.cat([chain[:1, :2], alt[:1, 1:]], dim=1)
     rows = [torch.cat([kept, after[:1]], dim=1), torch.cat([chain[1:], after[1:, :2]], dim=1)]
     want = chain_logits(torch.cat(rows))
     fast.reset(2)
     fast.forward(prompt, logits="none")
     fast.forward(tree, offsets=offsets)
-    fast.keep_path(0, 7, [0, 1, 5])
+    fast.keep_path(0, n, [0, 1, 5])
     start, hidden = fast.hidden_by_row[0]
-    assert start == 7 and hidden.shape[0] == 3
-    fast.truncate(torch.tensor([10, 11]))
+    assert start == n and hidden.shape[0] == 3
+    fast.truncate(torch.tensor([n + 3, n + 4]))
     got0 = fast.forward(after[:1], rows=[0])
     got1 = fast.forward(after[1:, :2], rows=[1])
     same(got0, want[:1, 3:])

@@ -840,6 +840,96 @@ inline void weighted_rows(const float* p, const float* v, int64_t j0, int64_t j1
     for (int64_t j = j0; j < j1; ++j) out[d] = std::fma(p[j], v[j * D + d], out[d]);
 }
 
+#if defined(__AVX512F__)
+// Attention of several queries at once in 512-bit registers, for head dimension 64 (kHeadDim512),
+// every output bitwise the same as the 256-bit code's above, only faster where queries share a
+// key-value head (GQA, and the tokens of a verification). On the Xeon, one thread, 1504 keys in
+// L2, ms per 30 layers (/tmp/s14/mb): five queries' scores 0.65 -> 0.52-0.57, their weighted sums
+// 0.64 -> 0.32.
+constexpr int64_t kHeadDim512 = 64;
+
+// [row a: 8 floats | row b: 8 floats] in one register.
+inline __m512 load8_pair(const float* a, const float* b) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(load8(a))),
+                                             _mm256_castps_pd(load8(b)), 1));
+}
+
+// dot8's reduction for accumulators held in pairs: z[i] = [key 2i's 8 lanes | key 2i + 1's]. The
+// same lanes are added in the same order as dot8's (hence hsum's): t_i (lane l + lane l + 4 of a
+// key, for keys 2i and 2i + 1) for two i at once, then u, then the final round.
+inline void reduce8_pairs(const __m512* z, float* out) {
+  // w0 = [t_0 | t_2], w1 = [t_1 | t_3] (128-bit lanes 0 and 2 of a pair are its keys' low halves)
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[2], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(z[0], z[2], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(z[1], z[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(z[1], z[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(w0, w1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(w0, w1, _MM_SHUFFLE(3, 2, 3, 2)));  // [u_0 | u_1]
+  const __m256 u0 = _mm512_castps512_ps256(u);
+  const __m256 u1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1));
+  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm256_shuffle_ps(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
+  _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+// Scores of QN queries against keys j .. j + 7 (rows of k, 64 floats each): out[x][0 .. 8). Two
+// keys share a register and each query's 8 values are repeated in both halves, so lane l of each
+// half forms dot's chain for its key; the four registers of key pairs are loaded once for all QN
+// queries.
+template <int QN>
+inline void dot8_queries(const float* const* q, const float* k, float* const* out) {
+  constexpr int64_t D = kHeadDim512;
+  __m512 a[QN][4];
+#pragma GCC unroll 4
+  for (int x = 0; x < QN; ++x)
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) a[x][i] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+  for (int64_t d = 0; d < D; d += 8) {
+    __m512 kk[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) kk[i] = load8_pair(k + 2 * i * D + d, k + (2 * i + 1) * D + d);
+#pragma GCC unroll 4
+    for (int x = 0; x < QN; ++x) {
+      const __m512 qv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(load8(q[x] + d))));
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) a[x][i] = _mm512_fmadd_ps(qv, kk[i], a[x][i]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int x = 0; x < QN; ++x) reduce8_pairs(a[x], out[x]);
+}
+
+// weighted_rows for QN queries over the same value rows j0 .. j1 - 1: each row is loaded once
+// for all of them. Each output element is the same fma chain over the rows in order.
+template <int QN>
+inline void weighted_queries(const float* const* p, const float* v, int64_t j0, int64_t j1,
+                             float* const* out) {
+  constexpr int64_t D = kHeadDim512;
+  __m512 a[QN][4];
+#pragma GCC unroll 4
+  for (int x = 0; x < QN; ++x)
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) a[x][i] = _mm512_loadu_ps(out[x] + 16 * i);
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* row = v + j * D;
+    __m512 r[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) r[i] = _mm512_loadu_ps(row + 16 * i);
+#pragma GCC unroll 4
+    for (int x = 0; x < QN; ++x) {
+      const __m512 pj = _mm512_set1_ps(p[x][j]);
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) a[x][i] = _mm512_fmadd_ps(pj, r[i], a[x][i]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int x = 0; x < QN; ++x)
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) _mm512_storeu_ps(out[x] + 16 * i, a[x][i]);
+}
+#endif
+
 // A weight matrix [N, K] and, for int8, its per-row scales [N] (undefined otherwise).
 struct Mat {
   at::Tensor w, scale;
@@ -1280,11 +1370,39 @@ class FastLlamaKernel {
         int64_t cmax = 0;
         for (int64_t a = 0; a < n; ++a) cmax = std::max(cmax, ctx_[qs[a] / Hq_]);
         auto query = [&](int64_t a) { return qkv_.data() + (qs[a] / Hq_) * QKV + (qs[a] % Hq_) * D; };
-        for (int64_t j0 = 0; j0 < cmax; j0 += JB)
-          for (int64_t a = 0; a < n; ++a) {
-            const int64_t j1 = std::min(j0 + JB, ctx_[qs[a] / Hq_]);
+        auto end = [&](int64_t a, int64_t j0) { return std::min(j0 + JB, ctx_[qs[a] / Hq_]); };
+        for (int64_t j0 = 0; j0 < cmax; j0 += JB) {
+          int64_t a = 0;
+#if defined(__AVX512F__)
+          if (D == kHeadDim512)
+            while (a < n) {  // groups of 3 (2 where 2 or 4 are left); each query's scores in full
+              const int64_t take = (n - a) % 3 == 1 && n - a > 1 ? 2 : std::min<int64_t>(3, n - a);
+              int64_t common = j0;  // keys every query of the group attends to, whole 8s
+              if (take > 1) {
+                int64_t e = end(a, j0);
+                for (int64_t x = 1; x < take; ++x) e = std::min(e, end(a + x, j0));
+                common = e > j0 ? j0 + (e - j0) / 8 * 8 : j0;
+              }
+              const float* q[3];
+              float* o[3];
+              for (int64_t j = j0; j < common; j += 8) {
+                for (int64_t x = 0; x < take; ++x) {
+                  q[x] = query(a + x);
+                  o[x] = pbuf.data() + (a + x) * S + j;
+                }
+                if (take == 3) dot8_queries<3>(q, K + j * D, o);
+                else dot8_queries<2>(q, K + j * D, o);
+              }
+              for (int64_t x = 0; x < take; ++x)
+                if (end(a + x, j0) > common) scores(query(a + x), K, common, end(a + x, j0), D, pbuf.data() + (a + x) * S);
+              a += take;
+            }
+#endif
+          for (; a < n; ++a) {
+            const int64_t j1 = end(a, j0);
             if (j1 > j0) scores(query(a), K, j0, j1, D, pbuf.data() + a * S);
           }
+        }
         for (int64_t a = 0; a < n; ++a) {
           const int64_t m = qs[a] / Hq_, c = ctx_[m];
           float* p = pbuf.data() + a * S;
@@ -1293,11 +1411,35 @@ class FastLlamaKernel {
           for (int64_t j = 0; j <= c; ++j) p[j] *= inv;
           std::fill_n(att_.data() + qs[a] * D, D, 0.0f);
         }
-        for (int64_t j0 = 0; j0 < cmax; j0 += JB)
-          for (int64_t a = 0; a < n; ++a) {
-            const int64_t j1 = std::min(j0 + JB, ctx_[qs[a] / Hq_]);
+        for (int64_t j0 = 0; j0 < cmax; j0 += JB) {
+          int64_t a = 0;
+#if defined(__AVX512F__)
+          if (D == kHeadDim512)
+            while (a < n) {  // groups of up to 4 over the rows all of them attend to, then the rest
+              const int64_t take = std::min<int64_t>(4, n - a);
+              int64_t common = end(a, j0);
+              for (int64_t x = 1; x < take; ++x) common = std::min(common, end(a + x, j0));
+              common = std::max(common, j0);
+              const float* pp[4];
+              float* o[4];
+              for (int64_t x = 0; x < take; ++x) {
+                pp[x] = pbuf.data() + (a + x) * S;
+                o[x] = att_.data() + qs[a + x] * D;
+              }
+              if (take == 4) weighted_queries<4>(pp, V, j0, common, o);
+              else if (take == 3) weighted_queries<3>(pp, V, j0, common, o);
+              else if (take == 2) weighted_queries<2>(pp, V, j0, common, o);
+              else weighted_queries<1>(pp, V, j0, common, o);
+              for (int64_t x = 0; x < take; ++x)
+                if (end(a + x, j0) > common) weighted_rows(pp[x], V, common, end(a + x, j0), D, o[x]);
+              a += take;
+            }
+#endif
+          for (; a < n; ++a) {
+            const int64_t j1 = end(a, j0);
             if (j1 > j0) weighted_rows(pbuf.data() + a * S, V, j0, j1, D, att_.data() + qs[a] * D);
           }
+        }
         for (int64_t a = 0; a < n; ++a) {  // the token's own value last: one more row of the chain
           const int64_t m = qs[a] / Hq_;
           weighted_rows(pbuf.data() + a * S + ctx_[m], V + ps[m] * D, 0, 1, D, att_.data() + qs[a] * D);
