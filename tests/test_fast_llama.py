@@ -294,7 +294,10 @@ def test_forced_fallback_by_env_var(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("use_kernel", PATHS)
-def test_bfloat16_weights_match_a_bf16_rounded_reference(use_kernel: bool) -> None:
+def test_bfloat16_weights_match_a_bf16_rounded_reference(
+    use_kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VERISPEC_KV_CACHE", "float32")  # the weights' arithmetic alone
     hf = _qwen2()
     ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(10))
     fast = FastLlama.from_hf(hf, dtype="bfloat16", use_kernel=use_kernel)
@@ -308,6 +311,50 @@ def test_bfloat16_weights_match_a_bf16_rounded_reference(use_kernel: bool) -> No
     _close(got, _reference(rounded, ids))
 
 
+@requires_kernel
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_float16_cache_for_int8_and_bfloat16_on_the_kernel(
+    dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The int8 and bfloat16 formats cache keys and values in float16 on the kernel (half the bytes);
+    the kernel and the torch path store the same rounded values and read them alike, whichever path
+    wrote them; float32 weights and the torch path keep a float32 cache; the override is checked."""
+    monkeypatch.delenv("VERISPEC_KV_CACHE", raising=False)
+    hf = _mistral(head_dim=64, num_attention_heads=6, max_position_embeddings=256, sliding_window=256)
+    ids = torch.randint(0, VOCAB, (1, 120), generator=torch.Generator().manual_seed(13))
+    assert FastLlama.from_hf(hf, use_kernel=True).kv_dtype == torch.float32
+    assert FastLlama.from_hf(hf, dtype=dtype, use_kernel=False).kv_dtype == torch.float32
+    fast = FastLlama.from_hf(hf, dtype=dtype, use_kernel=True)
+    assert fast.kv_dtype == torch.float16
+    fast.kernel_prefill_max = {dtype: 8}  # the prompt on the torch path, then the kernel
+    fast.prefill_compute = None  # float32 products: only the cache's dtype differs below
+    fast.reset(1)
+    got = torch.cat(
+        [fast.forward(ids[:, :100]), fast.forward(ids[:, 100:105]), fast.forward(ids[:, 105:])], 1
+    )
+    assert fast.k_cache[0].dtype == torch.float16
+    monkeypatch.setenv("VERISPEC_KV_CACHE", "float16")
+    torch_path = FastLlama.from_hf(hf, dtype=dtype, use_kernel=False)
+    assert torch_path.kv_dtype == torch.float16
+    torch_path.prefill_compute = None
+    torch_path.reset(1)
+    want = torch.cat([torch_path.forward(ids[:, :100]), torch_path.forward(ids[:, 100:])], 1)
+    _close(got, want)
+    monkeypatch.setenv("VERISPEC_KV_CACHE", "float32")
+    wide = FastLlama.from_hf(hf, dtype=dtype, use_kernel=True)
+    wide.kernel_prefill_max = {dtype: 8}
+    wide.prefill_compute = None
+    wide.reset(1)
+    exact = torch.cat([wide.forward(ids[:, :100]), wide.forward(ids[:, 100:])], 1)
+    assert wide.cache_bytes() == 2 * fast.cache_bytes()
+    # float16 keys and values move the logits, by little.
+    assert not torch.equal(got, exact)
+    torch.testing.assert_close(got, exact, rtol=0, atol=5e-4)
+    monkeypatch.setenv("VERISPEC_KV_CACHE", "bf16")
+    with pytest.raises(ValueError, match="VERISPEC_KV_CACHE"):
+        FastLlama.from_hf(hf, dtype=dtype)
+
+
 def _matrices(hf: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The weight matrices (a tied embedding/head once); norms and biases are 1-D."""
     return [p for p in hf.parameters() if p.dim() == 2]
@@ -315,8 +362,11 @@ def _matrices(hf: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 @pytest.mark.parametrize("use_kernel", PATHS)
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_int8_weights_match_a_dequantised_reference(arch: str, use_kernel: bool) -> None:
+def test_int8_weights_match_a_dequantised_reference(
+    arch: str, use_kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """int8 computes the model whose matrices are ``q * scale``; tied (llama) and biased (qwen2)."""
+    monkeypatch.setenv("VERISPEC_KV_CACHE", "float32")  # the weights' arithmetic alone
     hf = MODELS[arch]()
     ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(11))
     fast = FastLlama.from_hf(hf, dtype="int8", use_kernel=use_kernel)

@@ -21,6 +21,13 @@
 // beyond one input row; vpmaddwd (AVX2) or vpdpwssd (AVX512-VNNI, when compiled with it) multiplies
 // 16 weights by 16 activations in one or two.
 //
+// The KV cache is float32 or float16 (FastLlama chooses float16 for bfloat16 and int8 weights).
+// A key or value is rounded once, when written, and widens exactly to float32 whenever it is read,
+// so the property above holds for either. At long contexts decoding reads the cache about as much
+// as the int8 weights (SmolLM2-135M at 1500 tokens: 69 MB of float32 keys and values, 135 MB of
+// weights); on the Xeon float16 took an int8 step at 800 cached tokens from 13.6 to 12.0 ms (one
+// token) and 18.6 to 16.4 ms (five; min of 8 interleaved rounds, /tmp/s14/ab2.py).
+//
 // Compiled at first use by torch.utils.cpp_extension.load with -mavx2 -mfma (and -mavx512vnni
 // -mavx512vl where the CPU has them; both builds give bitwise the same integers; and -mavx512f on
 // AVX-512 CPUs, for `tile2p_z`, whose float32 products are bitwise those of the 256-bit tiles).
@@ -41,6 +48,9 @@ namespace {
 
 using bf16 = uint16_t;
 using i8 = int8_t;
+struct f16 {  // IEEE half precision, the int8 and bfloat16 formats' key-value cache
+  uint16_t bits;
+};
 
 // How `linear` reads paired weights: which tiles serve passes of few input rows, and whether a pass
 // of one row prefetches in software. It never changes any output (every tile forms each element in
@@ -76,7 +86,13 @@ inline __m256 load8(const i8* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
+// f16 -> f32 is exact (F16C).
+inline __m256 load8(const f16* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 inline float to_f32(float v) { return v; }
+inline float to_f32(f16 v) { return _cvtsh_ss(v.bits); }
 inline float to_f32(i8 v) { return static_cast<float>(v); }
 inline float to_f32(bf16 v) {
   const uint32_t u = static_cast<uint32_t>(v) << 16;
@@ -745,29 +761,34 @@ inline void rope(float* v, const float* cos, const float* sin, int64_t D) {
   }
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
+// The attention code below reads keys and values of type KT from the cache: float32, or float16
+// (`f16`) for the int8 and bfloat16 formats. Every key and value widens exactly to float32 before
+// any arithmetic, so each path computes the same thing for either type.
+template <typename KT>
+inline float dot(const float* a, const KT* b, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
   int64_t k = 0;
-  for (; k + 8 <= n; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc);
+  for (; k + 8 <= n; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), load8(b + k), acc);
   float s = hsum(acc);
-  for (; k < n; ++k) s = std::fma(a[k], b[k], s);
+  for (; k < n; ++k) s = std::fma(a[k], to_f32(b[k]), s);
   return s;
 }
 
 // Four keys at once for throughput; each score is the same op sequence as dot().
-inline void dot4(const float* q, const float* k, int64_t D, float* out) {
+template <typename KT>
+inline void dot4(const float* q, const KT* k, int64_t D, float* out) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   int64_t d = 0;
   for (; d + 8 <= D; d += 8) {
     const __m256 qv = _mm256_loadu_ps(q + d);
-    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + d), a0);
-    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + D + d), a1);
-    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * D + d), a2);
-    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * D + d), a3);
+    a0 = _mm256_fmadd_ps(qv, load8(k + d), a0);
+    a1 = _mm256_fmadd_ps(qv, load8(k + D + d), a1);
+    a2 = _mm256_fmadd_ps(qv, load8(k + 2 * D + d), a2);
+    a3 = _mm256_fmadd_ps(qv, load8(k + 3 * D + d), a3);
   }
   float s[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
   for (; d < D; ++d)
-    for (int i = 0; i < 4; ++i) s[i] = std::fma(q[d], k[i * D + d], s[i]);
+    for (int i = 0; i < 4; ++i) s[i] = std::fma(q[d], to_f32(k[i * D + d]), s[i]);
   for (int i = 0; i < 4; ++i) out[i] = s[i];
 }
 
@@ -775,7 +796,8 @@ inline void dot4(const float* q, const float* k, int64_t D, float* out) {
 // register: hsum(v) adds t_i = v_i + v_(i+4), then u_0 = t_0 + t_2 and u_1 = t_1 + t_3, then
 // u_0 + u_1, and the three shuffle-and-add rounds below pair the same lanes for all eight keys
 // (a quarter of the instructions of eight hsums).
-inline void dot8(const float* q, const float* k, int64_t D, float* out) {
+template <typename KT>
+inline void dot8(const float* q, const KT* k, int64_t D, float* out) {
   __m256 a[8];
 #pragma GCC unroll 8
   for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
@@ -783,7 +805,7 @@ inline void dot8(const float* q, const float* k, int64_t D, float* out) {
   for (; d + 8 <= D; d += 8) {
     const __m256 qv = _mm256_loadu_ps(q + d);
 #pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + i * D + d), a[i]);
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, load8(k + i * D + d), a[i]);
   }
   __m256 t[4];  // t[i]: [t of key 2i | t of key 2i + 1]
 #pragma GCC unroll 4
@@ -800,11 +822,12 @@ inline void dot8(const float* q, const float* k, int64_t D, float* out) {
                                  _mm256_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
   _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
   for (; d < D; ++d)
-    for (int i = 0; i < 8; ++i) out[i] = std::fma(q[d], k[i * D + d], out[i]);
+    for (int i = 0; i < 8; ++i) out[i] = std::fma(q[d], to_f32(k[i * D + d]), out[i]);
 }
 
-// Scores of keys j0 .. j1 - 1 (rows of k, D floats each) into p[j0 .. j1), each dot(q, key).
-inline void scores(const float* q, const float* k, int64_t j0, int64_t j1, int64_t D, float* p) {
+// Scores of keys j0 .. j1 - 1 (rows of k, D values each) into p[j0 .. j1), each dot(q, key).
+template <typename KT>
+inline void scores(const float* q, const KT* k, int64_t j0, int64_t j1, int64_t D, float* p) {
   int64_t j = j0;
   for (; j + 8 <= j1; j += 8) dot8(q, k + j * D, D, p + j);
   for (; j + 4 <= j1; j += 4) dot4(q, k + j * D, D, p + j);
@@ -815,29 +838,30 @@ inline void scores(const float* q, const float* k, int64_t j0, int64_t j1, int64
 // out[d] = fma(p[j], v[j * D + d], out[d]). The key loop is outside, so a value row is read once,
 // front to back, and 8 columns' chains are independent (a column block at a time made each fma
 // wait for the previous one and swept the values D / 8 times); the arithmetic is the same.
-template <int NB>
-inline void weighted_block(const float* p, const float* v, int64_t j0, int64_t j1, int64_t D,
+template <int NB, typename KT>
+inline void weighted_block(const float* p, const KT* v, int64_t j0, int64_t j1, int64_t D,
                            float* out) {
   __m256 a[NB];
 #pragma GCC unroll 8
   for (int b = 0; b < NB; ++b) a[b] = _mm256_loadu_ps(out + 8 * b);
   for (int64_t j = j0; j < j1; ++j) {
     const __m256 pj = _mm256_set1_ps(p[j]);
-    const float* row = v + j * D;
+    const KT* row = v + j * D;
 #pragma GCC unroll 8
-    for (int b = 0; b < NB; ++b) a[b] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(row + 8 * b), a[b]);
+    for (int b = 0; b < NB; ++b) a[b] = _mm256_fmadd_ps(pj, load8(row + 8 * b), a[b]);
   }
 #pragma GCC unroll 8
   for (int b = 0; b < NB; ++b) _mm256_storeu_ps(out + 8 * b, a[b]);
 }
 
-inline void weighted_rows(const float* p, const float* v, int64_t j0, int64_t j1, int64_t D,
+template <typename KT>
+inline void weighted_rows(const float* p, const KT* v, int64_t j0, int64_t j1, int64_t D,
                           float* out) {
   int64_t d = 0;
   for (; d + 64 <= D; d += 64) weighted_block<8>(p, v + d, j0, j1, D, out + d);
   for (; d + 8 <= D; d += 8) weighted_block<1>(p, v + d, j0, j1, D, out + d);
   for (; d < D; ++d)
-    for (int64_t j = j0; j < j1; ++j) out[d] = std::fma(p[j], v[j * D + d], out[d]);
+    for (int64_t j = j0; j < j1; ++j) out[d] = std::fma(p[j], to_f32(v[j * D + d]), out[d]);
 }
 
 #if defined(__AVX512F__)
@@ -849,7 +873,13 @@ inline void weighted_rows(const float* p, const float* v, int64_t j0, int64_t j1
 constexpr int64_t kHeadDim512 = 64;
 
 // [row a: 8 floats | row b: 8 floats] in one register.
-inline __m512 load8_pair(const float* a, const float* b) {
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const f16* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <typename KT>
+inline __m512 load8_pair(const KT* a, const KT* b) {
   return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(load8(a))),
                                              _mm256_castps_pd(load8(b)), 1));
 }
@@ -876,8 +906,8 @@ inline void reduce8_pairs(const __m512* z, float* out) {
 // keys share a register and each query's 8 values are repeated in both halves, so lane l of each
 // half forms dot's chain for its key; the four registers of key pairs are loaded once for all QN
 // queries.
-template <int QN>
-inline void dot8_queries(const float* const* q, const float* k, float* const* out) {
+template <int QN, typename KT>
+inline void dot8_queries(const float* const* q, const KT* k, float* const* out) {
   constexpr int64_t D = kHeadDim512;
   __m512 a[QN][4];
 #pragma GCC unroll 4
@@ -902,8 +932,8 @@ inline void dot8_queries(const float* const* q, const float* k, float* const* ou
 
 // weighted_rows for QN queries over the same value rows j0 .. j1 - 1: each row is loaded once
 // for all of them. Each output element is the same fma chain over the rows in order.
-template <int QN>
-inline void weighted_queries(const float* const* p, const float* v, int64_t j0, int64_t j1,
+template <int QN, typename KT>
+inline void weighted_queries(const float* const* p, const KT* v, int64_t j0, int64_t j1,
                              float* const* out) {
   constexpr int64_t D = kHeadDim512;
   __m512 a[QN][4];
@@ -912,10 +942,10 @@ inline void weighted_queries(const float* const* p, const float* v, int64_t j0, 
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) a[x][i] = _mm512_loadu_ps(out[x] + 16 * i);
   for (int64_t j = j0; j < j1; ++j) {
-    const float* row = v + j * D;
+    const KT* row = v + j * D;
     __m512 r[4];
 #pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) r[i] = _mm512_loadu_ps(row + 16 * i);
+    for (int i = 0; i < 4; ++i) r[i] = load16(row + 16 * i);
 #pragma GCC unroll 4
     for (int x = 0; x < QN; ++x) {
       const __m512 pj = _mm512_set1_ps(p[x][j]);
@@ -1028,11 +1058,14 @@ class FastLlamaKernel {
     TORCH_CHECK(k.size() == layers_.size() && v.size() == layers_.size(), "one cache per layer");
     for (size_t l = 0; l < k.size(); ++l) {
       for (const auto* t : {&k[l], &v[l]}) {
-        TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 4 &&
-                        t->size(1) == Hkv_ && t->size(3) == D_ && t->sizes() == k[0].sizes(),
-                    "cache must be contiguous float32 [B, H_kv, S, D]");
+        TORCH_CHECK((t->scalar_type() == at::kFloat || t->scalar_type() == at::kHalf) &&
+                        t->scalar_type() == k[0].scalar_type() && t->is_contiguous() &&
+                        t->dim() == 4 && t->size(1) == Hkv_ && t->size(3) == D_ &&
+                        t->sizes() == k[0].sizes(),
+                    "cache must be contiguous float32 or float16 [B, H_kv, S, D], one dtype");
       }
     }
+    kv_half_ = !k.empty() && k[0].scalar_type() == at::kHalf;
     kc_ = std::move(k);
     vc_ = std::move(v);
   }
@@ -1078,12 +1111,13 @@ class FastLlamaKernel {
     const int64_t* d = dst.data_ptr<int64_t>();
     for (int64_t i = 0; i < src.numel(); ++i)
       TORCH_CHECK(s[i] >= 0 && s[i] < S && d[i] >= 0 && d[i] < S, "position out of range");
+    const int64_t row = D * kc_[0].element_size();  // bytes of one position of one head
     for (size_t l = 0; l < kc_.size(); ++l) {
-      for (float* base : {kc_[l].data_ptr<float>(), vc_[l].data_ptr<float>()}) {
+      for (char* base : {static_cast<char*>(kc_[l].data_ptr()), static_cast<char*>(vc_[l].data_ptr())}) {
         for (int64_t g = 0; g < Hkv_; ++g) {
-          float* head = base + (slot * Hkv_ + g) * S * D;
+          char* head = base + (slot * Hkv_ + g) * S * row;
           for (int64_t i = 0; i < src.numel(); ++i)
-            if (s[i] != d[i]) std::memcpy(head + d[i] * D, head + s[i] * D, D * sizeof(float));
+            if (s[i] != d[i]) std::memcpy(head + d[i] * row, head + s[i] * row, row);
         }
       }
     }
@@ -1275,8 +1309,6 @@ class FastLlamaKernel {
   void write_kv(size_t l, int64_t M, const int64_t* sl, const int64_t* ps, const float* cos,
                 const float* sin) {
     const int64_t D = D_, QKV = (Hq_ + 2 * Hkv_) * D_, S = kc_[l].size(2);
-    float* kc = kc_[l].data_ptr<float>();
-    float* vc = vc_[l].data_ptr<float>();
     for (int64_t m = 0; m < M; ++m) {
       float* row = qkv_.data() + m * QKV;
       const float* c = cos + ctx_[m] * D;  // the RoPE position (ctx = pos but in trees)
@@ -1284,8 +1316,19 @@ class FastLlamaKernel {
       for (int64_t h = 0; h < Hq_ + Hkv_; ++h) rope(row + h * D, c, s, D);
       for (int64_t g = 0; g < Hkv_; ++g) {
         const int64_t off = ((sl[m] * Hkv_ + g) * S + ps[m]) * D;
-        std::memcpy(kc + off, row + (Hq_ + g) * D, D * sizeof(float));
-        std::memcpy(vc + off, row + (Hq_ + Hkv_ + g) * D, D * sizeof(float));
+        const float* k = row + (Hq_ + g) * D;
+        const float* v = row + (Hq_ + Hkv_ + g) * D;
+        if (kv_half_) {  // rounded to nearest even, as torch's float16 conversion
+          f16* kc = static_cast<f16*>(kc_[l].data_ptr()) + off;
+          f16* vc = static_cast<f16*>(vc_[l].data_ptr()) + off;
+          for (int64_t d = 0; d < D; ++d) {
+            kc[d].bits = _cvtss_sh(k[d], _MM_FROUND_TO_NEAREST_INT);
+            vc[d].bits = _cvtss_sh(v[d], _MM_FROUND_TO_NEAREST_INT);
+          }
+        } else {
+          std::memcpy(kc_[l].data_ptr<float>() + off, k, D * sizeof(float));
+          std::memcpy(vc_[l].data_ptr<float>() + off, v, D * sizeof(float));
+        }
       }
     }
   }
@@ -1353,10 +1396,16 @@ class FastLlamaKernel {
   // chain over the keys in order and the token's own value last: the same operations whichever
   // queries share its item (plan_attention) and however the keys are blocked.
   void attention(size_t l, int64_t M, const int64_t* ps) {
-    constexpr int64_t JB = 64;  // keys per block: 16 KB of keys or values at D = 64
+    if (kv_half_) attention_t<f16>(l, M, ps);
+    else attention_t<float>(l, M, ps);
+  }
+
+  template <typename KT>
+  void attention_t(size_t l, int64_t M, const int64_t* ps) {
+    constexpr int64_t JB = 64;  // keys per block: 16 KB of float32 keys or values at D = 64
     const int64_t D = D_, QKV = (Hq_ + 2 * Hkv_) * D_, S = kc_[l].size(2);
-    const float* kc = kc_[l].data_ptr<float>();
-    const float* vc = vc_[l].data_ptr<float>();
+    const KT* kc = static_cast<const KT*>(kc_[l].data_ptr());
+    const KT* vc = static_cast<const KT*>(vc_[l].data_ptr());
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
     at::parallel_for(0, static_cast<int64_t>(items_.size()), 1, [&](int64_t i0, int64_t i1) {
       thread_local std::vector<float> pbuf;
@@ -1364,8 +1413,8 @@ class FastLlamaKernel {
         const AttnItem& it = items_[i];
         const int64_t n = it.end - it.begin;
         const int64_t* qs = queries_.data() + it.begin;
-        const float* K = kc + (it.slot * Hkv_ + it.g) * S * D;
-        const float* V = vc + (it.slot * Hkv_ + it.g) * S * D;
+        const KT* K = kc + (it.slot * Hkv_ + it.g) * S * D;
+        const KT* V = vc + (it.slot * Hkv_ + it.g) * S * D;
         pbuf.resize(n * S);
         int64_t cmax = 0;
         for (int64_t a = 0; a < n; ++a) cmax = std::max(cmax, ctx_[qs[a] / Hq_]);
@@ -1453,6 +1502,7 @@ class FastLlamaKernel {
   const int64_t* ctx_ = nullptr;  // per token of the running call: keys before it, RoPE position
   bool keep_hidden_ = false;
   bool paired_ = false;
+  bool kv_half_ = false;  // the caches hold float16, not float32
   Schedule schedule_;
   at::Tensor hidden_;
   std::vector<Layer> layers_;

@@ -309,6 +309,9 @@ class FastLlama:
         self._kernel: Any = None
         if use_kernel:
             self._kernel = self._build_kernel()
+        self.kv_dtype: torch.dtype = _kv_dtype(dtype, self._kernel is not None)
+        """Dtype of the KV cache (:func:`_kv_dtype`): float16 for the int8 and bfloat16 formats on
+        the kernel, float32 otherwise."""
         self.prefill_compute: torch.dtype | None = (
             torch.bfloat16 if dtype != "float32" and _native_bfloat16(self.device) else None
         )
@@ -389,7 +392,8 @@ class FastLlama:
             dtype: "float32" (exact w.r.t. the HF model), "bfloat16" (weight matrices rounded to
                 bf16 and widened in the kernel: half the memory traffic) or "int8" (symmetric int8
                 with one float32 scale per weight row: a quarter of the traffic). Activations,
-                norms, biases and the KV cache stay float32 in every format.
+                norms and biases stay float32 in every format; the KV cache is float16 for
+                bfloat16 and int8 on the kernel, float32 otherwise (``_kv_dtype``).
             max_batch_size: rows to preallocate caches for (``reset`` can grow them).
             max_length: context cap; defaults to ``config.max_position_embeddings``.
             use_kernel: None = use the C++ kernel when it builds (and ``VERISPEC_NO_KERNEL`` is unset);
@@ -478,10 +482,10 @@ class FastLlama:
             # Zeros, not empty: the torch path reads (masked) positions past a row's length, and
             # uninitialised NaNs would leak through softmax weights of exactly 0.
             self.k_cache = [
-                torch.zeros(shape, device=self.device) for _ in range(self._n_layers)
+                torch.zeros(shape, device=self.device, dtype=self.kv_dtype) for _ in range(self._n_layers)
             ]  # fmt: skip
             self.v_cache = [
-                torch.zeros(shape, device=self.device) for _ in range(self._n_layers)
+                torch.zeros(shape, device=self.device, dtype=self.kv_dtype) for _ in range(self._n_layers)
             ]  # fmt: skip
             self._capacity = batch_size
             if self._kernel is not None:
@@ -715,8 +719,8 @@ class FastLlama:
             q, k, v = qkv.view(n, T, Hq + 2 * Hkv, D).split([Hq, Hkv, Hkv], dim=2)
             q = q * cos + _rotate_half(q) * sin  # [n, T, Hq, D]
             k = k * cos + _rotate_half(k) * sin  # [n, T, Hkv, D]
-            kc[idx_d[:, None], :, pos] = k  # scatter into [B, Hkv, S, D] at (row, :, pos)
-            vc[idx_d[:, None], :, pos] = v
+            kc[idx_d[:, None], :, pos] = k.to(kc.dtype)  # scatter into [B, Hkv, S, D] at (row, :, pos)
+            vc[idx_d[:, None], :, pos] = v.to(vc.dtype)
             if contiguous:
                 i0 = int(idx[0])
                 keys, values = kc[i0 : i0 + n, :, :span], vc[i0 : i0 + n, :, :span]
@@ -724,6 +728,8 @@ class FastLlama:
                 keys, values = kc[idx_d, :, :span], vc[idx_d, :, :span]  # [n, Hkv, span, D]
             if compute is not None:  # attention in the products' dtype, float32 accumulation
                 q, keys, values = q.to(compute), keys.to(compute), values.to(compute)
+            elif keys.dtype != q.dtype:  # a float16 cache, widened exactly
+                keys, values = keys.to(q.dtype), values.to(q.dtype)
             att = F.scaled_dot_product_attention(
                 q.transpose(1, 2),
                 keys,
@@ -756,6 +762,23 @@ class FastLlama:
         head = _as_rows(w["head"], paired)
         out = _linear(x, head, scale=w["head_scale"], compute=compute).float()
         return out.cpu()  # sampling and acceptance run on the CPU (a no-op there)
+
+
+def _kv_dtype(dtype: str, kernel: bool) -> torch.dtype:
+    """The KV cache's dtype for weight format ``dtype``: float16 for "bfloat16" and "int8" on the
+    kernel, float32 otherwise; ``VERISPEC_KV_CACHE=float32`` or ``float16`` overrides.
+
+    Decoding reads every cached key and value once per step: SmolLM2-135M at 1500 cached tokens
+    reads 69 MB of float32 keys and values against 135 MB of int8 weights. float16 halves that,
+    as llama.cpp's default cache does; keys and values widen exactly to float32 before any
+    arithmetic. float32 weights keep a float32 cache (exact w.r.t. HF).
+    """
+    choice = os.environ.get("VERISPEC_KV_CACHE", "")
+    if choice:
+        if choice not in ("float32", "float16"):
+            raise ValueError(f"VERISPEC_KV_CACHE must be float32 or float16, not {choice!r}")
+        return torch.float16 if choice == "float16" else torch.float32
+    return torch.float16 if kernel and dtype in ("bfloat16", "int8") else torch.float32
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
