@@ -615,6 +615,25 @@ def test_float_kernel_linear_on_paired_weights_is_bitwise_the_row_major_one(dtyp
                     assert torch.equal(got, want), (n, m, name, wide)
 
 
+@requires_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_linear_rows_do_not_depend_on_the_rows_beside_them(dtype: torch.dtype) -> None:
+    """Each input row's outputs are bitwise the same whether it is multiplied alone or with others,
+    for row-major weights whose K leaves a scalar tail (K % 8 != 0) as well. The tail was once
+    `s += x * w`, which the compiler fused into an fma for some tile heights only: a row's outputs
+    then differed with 2 or 4 rows in the call from 1 or 3."""
+    from verispec.models.fast_llama import _load_kernel
+
+    kernel = _load_kernel().FastLlamaKernel(8, 1, 1, 8, 8, 1e-5)
+    g = torch.Generator().manual_seed(17)
+    for k in (37, 100, 104):
+        w = torch.randn(12, k, generator=g).to(dtype)
+        x = torch.randn(9, k, generator=g)
+        alone = torch.cat([kernel.linear(x[i : i + 1].contiguous(), w, None, None) for i in range(9)])
+        for m in range(2, 10):
+            assert torch.equal(kernel.linear(x[:m].contiguous(), w, None, None), alone[:m]), (k, m)
+
+
 def test_weights_on_huge_pages_where_the_os_allows() -> None:
     """The matrices move into one 2 MB-aligned buffer (Linux with THP) and the model is unchanged."""
     from verispec.models.pages import HUGE_PAGE, huge_page_bytes
@@ -634,12 +653,13 @@ def test_weights_on_huge_pages_where_the_os_allows() -> None:
 
 
 @pytest.mark.parametrize("use_kernel", PATHS)
-@pytest.mark.parametrize("shape", ["small", "head64"])
+@pytest.mark.parametrize("shape", ["small", "head64", "head64-int8"])
 def test_tree_forward_scores_each_alternative_as_at_its_chain_position(use_kernel: bool, shape: str) -> None:
     """A tree call (pending, chain, then alternatives fed at their chain position's offset) gives
     every node the logits it would have in a chain (bitwise on the kernel), and keep_path moves an
     accepted alternative into place so that decoding goes on as if it had been fed in a chain.
-    "head64": head_dim 64 after 70 tokens, the kernel's grouped attention (AVX-512)."""
+    "head64": head_dim 64 after 70 tokens, the kernel's grouped attention (AVX-512); "head64-int8"
+    the same with int8 weights, whose kernel cache is float16 (keep_path moves float16 rows)."""
     long = {"max_position_embeddings": 256, "sliding_window": 256}
     hf = _mistral() if shape == "small" else _mistral(head_dim=64, num_attention_heads=6, **long)
     gen = torch.Generator().manual_seed(9)
@@ -648,9 +668,15 @@ def test_tree_forward_scores_each_alternative_as_at_its_chain_position(use_kerne
     chain = torch.randint(0, VOCAB, (2, 4), generator=gen)  # pending token then 3 drafts
     alt = torch.randint(0, VOCAB, (2, 2), generator=gen)  # alternatives at chain offsets 1 and 2
     after = torch.randint(0, VOCAB, (2, 3), generator=gen)
-    fast = FastLlama.from_hf(hf, max_batch_size=2, use_kernel=use_kernel)
+    dtype = "int8" if shape.endswith("int8") else "float32"
+    fast = FastLlama.from_hf(hf, dtype=dtype, max_batch_size=2, use_kernel=use_kernel)
     fast.record_hidden = True
-    same = torch.equal if use_kernel else _close
+
+    def same(got: torch.Tensor, want: torch.Tensor) -> None:  # bitwise on the kernel
+        if use_kernel:
+            assert torch.equal(got, want)
+        else:
+            _close(got, want)
 
     def chain_logits(ids: torch.Tensor) -> torch.Tensor:  # one token at a time, as plain decoding
         fast.reset(2)

@@ -181,7 +181,10 @@ inline void tile(const float* x, int64_t ldx, const WT* w, int64_t K, int64_t rs
   for (int i = 0; i < MR; ++i) {
     for (int j = 0; j < NR; ++j) {
       float s = hsum(acc[i][j]);
-      for (int64_t kk = k; kk < K; ++kk) s += x[i * ldx + kk] * to_f32(w[j * K + kk]);  // kp == 1 only
+      // kp == 1 only. An explicit fma: with `s += x * w` the compiler contracted the product into
+      // the sum in some instantiations and not others, so a row's outputs for K % 8 != 0 depended on
+      // how many rows shared the pass (1 or 3 rows against 2 or 4).
+      for (int64_t kk = k; kk < K; ++kk) s = std::fma(x[i * ldx + kk], to_f32(w[j * K + kk]), s);
       finish_dot(s, scale, bias, j, y + i * ldy + j, accumulate);
     }
   }
@@ -737,7 +740,7 @@ inline float sumsq(const float* x, int64_t n) {
     acc = _mm256_fmadd_ps(v, v, acc);
   }
   float s = hsum(acc);
-  for (; k < n; ++k) s += x[k] * x[k];
+  for (; k < n; ++k) s = std::fma(x[k], x[k], s);  // explicit, as in `tile`'s tail
   return s;
 }
 
