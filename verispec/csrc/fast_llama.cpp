@@ -26,7 +26,7 @@
 // so the property above holds for either. At long contexts decoding reads the cache about as much
 // as the int8 weights (SmolLM2-135M at 1500 tokens: 69 MB of float32 keys and values, 135 MB of
 // weights); on the Xeon float16 took an int8 step at 800 cached tokens from 13.6 to 12.0 ms (one
-// token) and 18.6 to 16.4 ms (five; min of 8 interleaved rounds, /tmp/s14/ab2.py).
+// token) and 18.6 to 16.4 ms (five; min of 8 interleaved rounds; benchmarks/README.md, session 14).
 //
 // Compiled at first use by torch.utils.cpp_extension.load with -mavx2 -mfma (and -mavx512vnni
 // -mavx512vl where the CPU has them; both builds give bitwise the same integers; and -mavx512f on
@@ -871,16 +871,17 @@ inline void weighted_rows(const float* p, const KT* v, int64_t j0, int64_t j1, i
 // Attention of several queries at once in 512-bit registers, for head dimension 64 (kHeadDim512),
 // every output bitwise the same as the 256-bit code's above, only faster where queries share a
 // key-value head (GQA, and the tokens of a verification). On the Xeon, one thread, 1504 keys in
-// L2, ms per 30 layers (/tmp/s14/mb): five queries' scores 0.65 -> 0.52-0.57, their weighted sums
-// 0.64 -> 0.32.
+// L2, ms per 30 layers (benchmarks/README.md, session 14): five queries' scores 0.65 -> 0.52-0.57,
+// their weighted sums 0.64 -> 0.32.
 constexpr int64_t kHeadDim512 = 64;
 
-// [row a: 8 floats | row b: 8 floats] in one register.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const f16* p) {
+// 16 keys' or values' elements, widened to float32.
+inline __m512 load16z(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16z(const f16* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// [row a: 8 values | row b: 8 values] in one register, widened to float32.
 template <typename KT>
 inline __m512 load8_pair(const KT* a, const KT* b) {
   return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(load8(a))),
@@ -948,7 +949,7 @@ inline void weighted_queries(const float* const* p, const KT* v, int64_t j0, int
     const KT* row = v + j * D;
     __m512 r[4];
 #pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) r[i] = load16(row + 16 * i);
+    for (int i = 0; i < 4; ++i) r[i] = load16z(row + 16 * i);
 #pragma GCC unroll 4
     for (int x = 0; x < QN; ++x) {
       const __m512 pj = _mm512_set1_ps(p[x][j]);
@@ -1446,7 +1447,8 @@ class FastLlamaKernel {
                 else dot8_queries<2>(q, K + j * D, o);
               }
               for (int64_t x = 0; x < take; ++x)
-                if (end(a + x, j0) > common) scores(query(a + x), K, common, end(a + x, j0), D, pbuf.data() + (a + x) * S);
+                if (end(a + x, j0) > common)
+                  scores(query(a + x), K, common, end(a + x, j0), D, pbuf.data() + (a + x) * S);
               a += take;
             }
 #endif
@@ -1483,7 +1485,8 @@ class FastLlamaKernel {
               else if (take == 2) weighted_queries<2>(pp, V, j0, common, o);
               else weighted_queries<1>(pp, V, j0, common, o);
               for (int64_t x = 0; x < take; ++x)
-                if (end(a + x, j0) > common) weighted_rows(pp[x], V, common, end(a + x, j0), D, o[x]);
+                if (end(a + x, j0) > common)
+                  weighted_rows(pp[x], V, common, end(a + x, j0), D, o[x]);
               a += take;
             }
 #endif
