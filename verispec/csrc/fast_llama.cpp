@@ -1341,9 +1341,13 @@ class FastLlamaKernel {
   // read the same keys and values, so an item holds several of them and goes through the keys a
   // block at a time while the block is in L1. Each key and value is then read once per item, not
   // once per query (a 5-token step over 1000 cached tokens read each row's 1.5 MB of keys and
-  // values 15 times per layer). Items hold at most `cap` queries so that every thread gets work
-  // (one token: a KV head's 3 query heads as 1 + 2), and at most kMaxItemQueries so their score
-  // buffers stay small in long prefills. Grouping never changes a query's arithmetic.
+  // values 15 times per layer). Items hold at most `cap` queries so that every thread gets work,
+  // but never fewer than one token's queries of a KV head (its G query heads), and at most
+  // kMaxItemQueries so their score buffers stay small in long prefills. Grouping never changes a
+  // query's arithmetic. One token's KV heads were split 1 + 2 over the threads before, each read by
+  // both cores; whole, with the 512-bit groups, one token at 1500 cached tokens took 2-3% less on
+  // the Xeon (8 alternating rounds, min: int8 9.97 -> 9.70 ms, float32 26.06 -> 25.29; five tokens
+  // unchanged, their items already whole groups; benchmarks/README.md, session 14).
   struct AttnItem {
     int64_t slot, g, begin, end;  // queries_[begin .. end)
   };
@@ -1352,7 +1356,7 @@ class FastLlamaKernel {
   void plan_attention(int64_t M, const int64_t* sl) {
     const int64_t G = Hq_ / Hkv_, threads = std::max<int64_t>(1, at::get_num_threads());
     const int64_t per_thread = (M * Hq_ + 4 * threads - 1) / (4 * threads);
-    const int64_t cap = std::min(kMaxItemQueries, std::max<int64_t>(1, per_thread));
+    const int64_t cap = std::min(kMaxItemQueries, std::max<int64_t>(G, per_thread));
     items_.clear();
     queries_.clear();
     std::vector<int64_t> rows;  // the call's batch rows, in order of their first token
