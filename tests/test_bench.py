@@ -347,7 +347,7 @@ def test_adaptive_goal_states_the_gap_with_its_interval_over_prompts():
     assert check["value"] == "worst b: 0.82 of the best fixed k (prompt-lookup k=8)"
 
 
-def test_repeats_keep_each_configs_fastest_round_in_rotated_orders() -> None:
+def test_repeats_keep_each_configs_fastest_round_in_shuffled_orders() -> None:
     from verispec.bench.methods import RunResult, Sampling
     from verispec.bench.runner import run_interleaved
     from verispec.config import SamplingConfig
@@ -364,17 +364,52 @@ def test_repeats_keep_each_configs_fastest_round_in_rotated_orders() -> None:
     out = run_interleaved(
         configs, dict.fromkeys(configs, runner), [[10], [20]], request, progress=False, repeats=2
     )
-    # Every round of a prompt runs every config, each round rotated by one more.
-    assert calls == [
-        (10, "autoregressive"), (10, "prompt-lookup"), (10, "prompt-lookup"), (10, "autoregressive"),
-        (20, "autoregressive"), (20, "prompt-lookup"), (20, "prompt-lookup"), (20, "autoregressive"),
-    ]  # fmt: skip
-    assert [r.seconds for r in out[configs[0]]] == [4.0, 2.0]
-    assert [r.seconds for r in out[configs[1]]] == [1.0, 6.0]
-    assert [r.round_seconds for r in out[configs[0]]] == [(5.0, 4.0), (2.0, 8.0)]
-    assert [r.round_seconds for r in out[configs[1]]] == [(3.0, 1.0), (6.0, 7.0)]
+    # Every round of a prompt runs every config once; each config keeps its fastest round.
+    assert [p for p, _ in calls] == [10, 10, 10, 10, 20, 20, 20, 20]
+    for at in range(0, 8, 2):
+        assert sorted(m for _, m in calls[at : at + 2]) == ["autoregressive", "prompt-lookup"]
+    times = [5.0, 3.0, 1.0, 4.0, 2.0, 6.0, 7.0, 8.0]  # as `seconds` handed them out
+    for cfg in configs:
+        mine = [t for (_, method), t in zip(calls, times, strict=True) if method == cfg.method]
+        assert [r.round_seconds for r in out[cfg]] == [tuple(mine[:2]), tuple(mine[2:])]
+        assert [r.seconds for r in out[cfg]] == [min(mine[:2]), min(mine[2:])]
     with pytest.raises(ValueError):
         run_interleaved(configs, dict.fromkeys(configs, runner), [[10]], request, progress=False, repeats=0)
+
+
+def test_interleaved_orders_are_seeded_shuffles_that_vary_each_configs_predecessor() -> None:
+    """Each round's order is a seeded permutation: the same seed gives the same orders, every
+    config runs in every position, and each config follows several others (a rotation kept every
+    config's predecessor fixed, so what one run left behind fell on the same config each time)."""
+    from collections import Counter
+
+    from verispec.bench.methods import RunResult, Sampling
+    from verispec.bench.runner import run_interleaved
+    from verispec.config import SamplingConfig
+
+    configs = [MethodConfig("prompt-lookup", k=k) for k in range(1, 6)]
+
+    def orders(seed: int) -> list[int]:
+        calls: list[int] = []
+
+        def runner(ids, cfg, request):
+            calls.append(cfg.k)
+            return RunResult(token_ids=[1], seconds=1.0, first_token_seconds=0.1, first_tokens=1)
+
+        request = Sampling(4, SamplingConfig(temperature=0.0))
+        prompts = [[i] for i in range(20)]
+        run_interleaved(
+            configs, dict.fromkeys(configs, runner), prompts, request, progress=False, repeats=2, seed=seed
+        )
+        return calls
+
+    calls = orders(0)
+    assert calls == orders(0) and calls != orders(1)
+    rounds = [calls[i : i + 5] for i in range(0, len(calls), 5)]
+    assert all(sorted(r) == [1, 2, 3, 4, 5] for r in rounds)
+    assert all(len({r[pos] for r in rounds}) == 5 for pos in range(5))  # every config in every position
+    before = Counter((r[i - 1], r[i]) for r in rounds for i in range(1, 5))
+    assert all(len({a for (a, b) in before if b == k}) >= 3 for k in range(1, 6))
 
 
 def test_a_peer_probe_reports_how_its_child_failed(tmp_path) -> None:

@@ -1,8 +1,13 @@
 """The interleaved benchmark loop and the per-category rows of ``results.json``.
 
-For each prompt every method runs once before the next prompt starts, in an order rotated by one
-each prompt, so machine noise (other jobs, clock changes) falls on all methods alike. A warm-up run
-of every method on the shortest prompt comes first and is not counted.
+For each prompt every method runs once before the next prompt starts, in a seeded random order
+drawn anew for each prompt and round, so machine noise (other jobs, clock changes) and what the
+previous run left in the caches fall on all methods alike. A warm-up run of every method on the
+shortest prompt comes first and is not counted.
+
+The order was once rotated by one each round. A rotation keeps every method's predecessor (in the
+session-4 command int8 prompt lookup at k=4 always ran right after float32 adaptive lookup), so
+whatever one run leaves in the caches and the allocator fell on the same method every time.
 """
 
 from __future__ import annotations
@@ -36,15 +41,18 @@ def run_interleaved(
     progress: bool = True,
     between_prompts: Callable[[], None] | None = None,
     repeats: int = 1,
+    seed: int = 0,
 ) -> dict[MethodConfig, list[RunResult]]:
     """Run every config on every prompt (``prompts``: token ids), interleaved; results in prompt order.
 
     ``warmup``: the request for one uncounted run of each config on the shortest prompt first.
     ``between_prompts``: called after each prompt's runs (the bench reads the memory bandwidth
     there, so the bound is measured through the run, under the load the runs saw).
-    ``repeats``: rounds of every config per prompt (each round in another rotated order); each
-    config keeps its fastest round on the prompt, so a burst of other load on one request does not
-    decide a cell (every round's time stays in ``round_seconds``). Every config is treated alike.
+    ``repeats``: rounds of every config per prompt (each round in its own order); each config keeps
+    its fastest round on the prompt, so a burst of other load on one request does not decide a cell
+    (every round's time stays in ``round_seconds``). Every config is treated alike: each round's
+    order is a random permutation from a generator seeded with ``seed``, so every config runs in
+    every position and after every other config about equally often.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -60,11 +68,12 @@ def run_interleaved(
         disable=not progress,
         unit="run",
     )
+    order_rng = np.random.default_rng(seed)
     for i, ids in enumerate(prompts):
         rounds: dict[MethodConfig, list[RunResult]] = {cfg: [] for cfg in configs}
-        for r in range(repeats):
-            shift = (i * repeats + r) % len(configs)
-            for cfg in configs[shift:] + configs[:shift]:
+        for _ in range(repeats):
+            for c in order_rng.permutation(len(configs)).tolist():
+                cfg = configs[c]
                 bar.set_postfix_str(f"prompt {i + 1}/{len(prompts)} {cfg.label}", refresh=False)
                 rounds[cfg].append(runners[cfg](ids, cfg, request))
                 bar.update(1)
