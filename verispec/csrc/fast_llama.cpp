@@ -777,6 +777,14 @@ inline float dot(const float* a, const KT* b, int64_t n) {
   return s;
 }
 
+// The last round of dot8's eight horizontal sums, shared with reduce8_pairs: u_0 + u_1 of each key
+// (keys in lanes 0, 2, 4, 6, 1, 3, 5, 7 after the adds), stored in key order to out[0 .. 8).
+inline void last_round8(__m256 u0, __m256 u1, float* out) {
+  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm256_shuffle_ps(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
+  _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
 // Four keys at once for throughput; each score is the same op sequence as dot().
 template <typename KT>
 inline void dot4(const float* q, const KT* k, int64_t D, float* out) {
@@ -820,10 +828,7 @@ inline void dot8(const float* q, const KT* k, int64_t D, float* out) {
   for (int i = 0; i < 2; ++i)
     u[i] = _mm256_add_ps(_mm256_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
                          _mm256_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  // keys in lanes 0, 2, 4, 6, 1, 3, 5, 7
-  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm256_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  last_round8(u[0], u[1], out);
   for (; d < D; ++d)
     for (int i = 0; i < 8; ++i) out[i] = std::fma(q[d], to_f32(k[i * D + d]), out[i]);
 }
@@ -899,11 +904,8 @@ inline void reduce8_pairs(const __m512* z, float* out) {
                                   _mm512_shuffle_f32x4(z[1], z[3], _MM_SHUFFLE(3, 1, 3, 1)));
   const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(w0, w1, _MM_SHUFFLE(1, 0, 1, 0)),
                                  _mm512_shuffle_ps(w0, w1, _MM_SHUFFLE(3, 2, 3, 2)));  // [u_0 | u_1]
-  const __m256 u0 = _mm512_castps512_ps256(u);
-  const __m256 u1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1));
-  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm256_shuffle_ps(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
-  _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  last_round8(_mm512_castps512_ps256(u), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)),
+              out);
 }
 
 // Scores of QN queries against keys j .. j + 7 (rows of k, 64 floats each): out[x][0 .. 8). Two
@@ -963,6 +965,73 @@ inline void weighted_queries(const float* const* p, const KT* v, int64_t j0, int
     for (int i = 0; i < 4; ++i) _mm512_storeu_ps(out[x] + 16 * i, a[x][i]);
 }
 #endif
+
+// One block of keys j0 .. j0 + JB - 1 for an item's n queries (query(a): its float32 vector;
+// end(a, j0): where its keys in the block end): scores into p[a * S + j]. With head_dim 64 on
+// AVX-512, groups of 3 (2 where 2 or 4 are left) share their key loads over the keys all of them
+// attend to, in whole 8s; each query's other keys, and every query elsewhere, go through `scores`.
+// Every score is dot()'s, however the queries are grouped.
+template <typename KT, typename Query, typename End>
+inline void block_scores(int64_t n, int64_t j0, const KT* K, int64_t D, int64_t S, const Query& query,
+                         const End& end, float* p) {
+  int64_t a = 0;
+#if defined(__AVX512F__)
+  while (D == kHeadDim512 && a < n) {
+    const int64_t take = (n - a) % 3 == 1 && n - a > 1 ? 2 : std::min<int64_t>(3, n - a);
+    int64_t common = j0;
+    if (take > 1) {
+      int64_t e = end(a, j0);
+      for (int64_t x = 1; x < take; ++x) e = std::min(e, end(a + x, j0));
+      common = e > j0 ? j0 + (e - j0) / 8 * 8 : j0;
+    }
+    const float* q[3];
+    float* o[3];
+    for (int64_t x = 0; x < take; ++x) q[x] = query(a + x);
+    for (int64_t j = j0; j < common; j += 8) {
+      for (int64_t x = 0; x < take; ++x) o[x] = p + (a + x) * S + j;
+      if (take == 3) dot8_queries<3>(q, K + j * D, o);
+      else dot8_queries<2>(q, K + j * D, o);
+    }
+    for (int64_t x = 0; x < take; ++x)
+      if (end(a + x, j0) > common) scores(q[x], K, common, end(a + x, j0), D, p + (a + x) * S);
+    a += take;
+  }
+#endif
+  for (; a < n; ++a)
+    if (end(a, j0) > j0) scores(query(a), K, j0, end(a, j0), D, p + a * S);
+}
+
+// The weighted sums of the same block: out(a) (+)= p[a * S + j] * V[j] over the block's keys of
+// query a, in order. With head_dim 64 on AVX-512, up to 4 queries share each value row over the
+// rows all of them attend to; each output element is the same fma chain however they are grouped.
+template <typename KT, typename End, typename Out>
+inline void block_weighted(int64_t n, int64_t j0, const KT* V, int64_t D, int64_t S, const float* p,
+                           const End& end, const Out& out) {
+  int64_t a = 0;
+#if defined(__AVX512F__)
+  while (D == kHeadDim512 && a < n) {
+    const int64_t take = std::min<int64_t>(4, n - a);
+    int64_t common = end(a, j0);
+    for (int64_t x = 1; x < take; ++x) common = std::min(common, end(a + x, j0));
+    common = std::max(common, j0);
+    const float* pp[4];
+    float* o[4];
+    for (int64_t x = 0; x < take; ++x) {
+      pp[x] = p + (a + x) * S;
+      o[x] = out(a + x);
+    }
+    if (take == 4) weighted_queries<4>(pp, V, j0, common, o);
+    else if (take == 3) weighted_queries<3>(pp, V, j0, common, o);
+    else if (take == 2) weighted_queries<2>(pp, V, j0, common, o);
+    else weighted_queries<1>(pp, V, j0, common, o);
+    for (int64_t x = 0; x < take; ++x)
+      if (end(a + x, j0) > common) weighted_rows(pp[x], V, common, end(a + x, j0), D, o[x]);
+    a += take;
+  }
+#endif
+  for (; a < n; ++a)
+    if (end(a, j0) > j0) weighted_rows(p + a * S, V, j0, end(a, j0), D, out(a));
+}
 
 // A weight matrix [N, K] and, for int8, its per-row scales [N] (undefined otherwise).
 struct Mat {
@@ -1428,80 +1497,20 @@ class FastLlamaKernel {
         for (int64_t a = 0; a < n; ++a) cmax = std::max(cmax, ctx_[qs[a] / Hq_]);
         auto query = [&](int64_t a) { return qkv_.data() + (qs[a] / Hq_) * QKV + (qs[a] % Hq_) * D; };
         auto end = [&](int64_t a, int64_t j0) { return std::min(j0 + JB, ctx_[qs[a] / Hq_]); };
-        for (int64_t j0 = 0; j0 < cmax; j0 += JB) {
-          int64_t a = 0;
-#if defined(__AVX512F__)
-          if (D == kHeadDim512)
-            while (a < n) {  // groups of 3 (2 where 2 or 4 are left); each query's scores in full
-              const int64_t take = (n - a) % 3 == 1 && n - a > 1 ? 2 : std::min<int64_t>(3, n - a);
-              int64_t common = j0;  // keys every query of the group attends to, whole 8s
-              if (take > 1) {
-                int64_t e = end(a, j0);
-                for (int64_t x = 1; x < take; ++x) e = std::min(e, end(a + x, j0));
-                common = e > j0 ? j0 + (e - j0) / 8 * 8 : j0;
-              }
-              const float* q[3];
-              float* o[3];
-              for (int64_t j = j0; j < common; j += 8) {
-                for (int64_t x = 0; x < take; ++x) {
-                  q[x] = query(a + x);
-                  o[x] = pbuf.data() + (a + x) * S + j;
-                }
-                if (take == 3) dot8_queries<3>(q, K + j * D, o);
-                else dot8_queries<2>(q, K + j * D, o);
-              }
-              for (int64_t x = 0; x < take; ++x)
-                if (end(a + x, j0) > common)
-                  scores(query(a + x), K, common, end(a + x, j0), D, pbuf.data() + (a + x) * S);
-              a += take;
-            }
-#endif
-          for (; a < n; ++a) {
-            const int64_t j1 = end(a, j0);
-            if (j1 > j0) scores(query(a), K, j0, j1, D, pbuf.data() + a * S);
-          }
-        }
+        auto out = [&](int64_t a) { return att_.data() + qs[a] * D; };
+        for (int64_t j0 = 0; j0 < cmax; j0 += JB) block_scores(n, j0, K, D, S, query, end, pbuf.data());
         for (int64_t a = 0; a < n; ++a) {
           const int64_t m = qs[a] / Hq_, c = ctx_[m];
           float* p = pbuf.data() + a * S;
           p[c] = dot(query(a), K + ps[m] * D, D);  // key c is the token's own (K + c * D in a chain)
           const float inv = 1.0f / softmax_numerators(p, c + 1, scale);
           for (int64_t j = 0; j <= c; ++j) p[j] *= inv;
-          std::fill_n(att_.data() + qs[a] * D, D, 0.0f);
+          std::fill_n(out(a), D, 0.0f);
         }
-        for (int64_t j0 = 0; j0 < cmax; j0 += JB) {
-          int64_t a = 0;
-#if defined(__AVX512F__)
-          if (D == kHeadDim512)
-            while (a < n) {  // groups of up to 4 over the rows all of them attend to, then the rest
-              const int64_t take = std::min<int64_t>(4, n - a);
-              int64_t common = end(a, j0);
-              for (int64_t x = 1; x < take; ++x) common = std::min(common, end(a + x, j0));
-              common = std::max(common, j0);
-              const float* pp[4];
-              float* o[4];
-              for (int64_t x = 0; x < take; ++x) {
-                pp[x] = pbuf.data() + (a + x) * S;
-                o[x] = att_.data() + qs[a + x] * D;
-              }
-              if (take == 4) weighted_queries<4>(pp, V, j0, common, o);
-              else if (take == 3) weighted_queries<3>(pp, V, j0, common, o);
-              else if (take == 2) weighted_queries<2>(pp, V, j0, common, o);
-              else weighted_queries<1>(pp, V, j0, common, o);
-              for (int64_t x = 0; x < take; ++x)
-                if (end(a + x, j0) > common)
-                  weighted_rows(pp[x], V, common, end(a + x, j0), D, o[x]);
-              a += take;
-            }
-#endif
-          for (; a < n; ++a) {
-            const int64_t j1 = end(a, j0);
-            if (j1 > j0) weighted_rows(pbuf.data() + a * S, V, j0, j1, D, att_.data() + qs[a] * D);
-          }
-        }
+        for (int64_t j0 = 0; j0 < cmax; j0 += JB) block_weighted(n, j0, V, D, S, pbuf.data(), end, out);
         for (int64_t a = 0; a < n; ++a) {  // the token's own value last: one more row of the chain
           const int64_t m = qs[a] / Hq_;
-          weighted_rows(pbuf.data() + a * S + ctx_[m], V + ps[m] * D, 0, 1, D, att_.data() + qs[a] * D);
+          weighted_rows(pbuf.data() + a * S + ctx_[m], V + ps[m] * D, 0, 1, D, out(a));
         }
       }
     });
