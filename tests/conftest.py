@@ -17,10 +17,10 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 class FreeCosts(StepCosts):
     """Step costs of a machine on which verifying more tokens costs nothing more; records nothing."""
 
-    def record(self, batch: int, width: int, seconds: float) -> None:
+    def record(self, batch: int, width: int, seconds: float, context: int = 0) -> None:
         pass
 
-    def ratio(self, width: int, batch: int = 1) -> float:
+    def ratio(self, width: int, batch: int = 1, context: int = 0) -> float:
         return 1.0
 
 

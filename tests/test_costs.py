@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from verispec.config import GenerationConfig, SamplingConfig
-from verispec.costs import PRIOR_EXTRA_TOKEN_COST, StepCosts, best_draft_length, costs_for
+from verispec.costs import PRIOR_EXTRA_TOKEN_COST, StepCosts, best_draft_length, context_bucket, costs_for
 from verispec.engine import Engine
 from verispec.models.toy import LogitsModel
 from verispec.proposers import LOOKUP_ACCEPTANCE_PRIOR, PromptLookup
@@ -23,10 +23,10 @@ class FixedCosts(StepCosts):
         super().__init__()
         self.per_token = per_token
 
-    def record(self, batch: int, width: int, seconds: float) -> None:
+    def record(self, batch: int, width: int, seconds: float, context: int = 0) -> None:
         pass
 
-    def ratio(self, width: int, batch: int = 1) -> float:
+    def ratio(self, width: int, batch: int = 1, context: int = 0) -> float:
         return 1.0 + self.per_token * max(width - 1, 0)
 
 
@@ -140,9 +140,74 @@ def test_kept_medians_equal_medians_computed_afresh() -> None:
         width = rng.choice([1, 1, 1, 2, 3, 4]) if rng.random() < 0.7 else 1
         costs.record(1, width, rng.uniform(0.005, 0.02))
         for w in range(2, 5):
-            window = [r for step, r in costs._ratios.get((1, w), []) if step > costs._steps - costs.horizon]
+            window = [
+                r for step, r in costs._ratios.get((1, 0, w), []) if step > costs._steps - costs.horizon
+            ]
             fresh = statistics.median(window) if len(window) >= costs.min_samples else None
-            assert costs._measured(1, w) == fresh
+            assert costs._measured(1, 0, w) == fresh
+
+
+def test_context_buckets_double_from_256_tokens() -> None:
+    assert [context_bucket(c) for c in (0, 255, 256, 511, 512, 1023, 1024, 2047, 2048)] == [
+        0, 0, 1, 1, 2, 2, 3, 3, 4
+    ]  # fmt: skip
+
+
+def test_step_costs_are_kept_per_context_bucket() -> None:
+    """A wide step costs more at a long context (its attention reads the cache per token): each
+    bucket keeps its own ratio, against its own one-token time; a bucket with nothing measured
+    borrows the nearest shorter one, else the nearest longer one."""
+    costs = StepCosts()
+    for _ in range(3):  # only a long context measured so far: every context reads it
+        costs.record(1, 1, 0.011, context=1000)
+        costs.record(1, 5, 0.0165, context=1000)
+    assert costs.ratio(5, context=100) == pytest.approx(1.5)
+    for _ in range(3):
+        costs.record(1, 1, 0.010, context=100)
+        costs.record(1, 5, 0.012, context=100)
+    assert costs.ratio(5, context=100) == pytest.approx(1.2)
+    assert costs.ratio(5, context=600) == pytest.approx(1.5)  # the same bucket as 1000
+    assert costs.ratio(5, context=1000) == pytest.approx(1.5)
+    assert costs.ratio(5, context=300) == pytest.approx(1.2)  # nothing at 256-511: the shorter bucket
+    assert costs.ratio(5, context=5000) == pytest.approx(1.5)  # nothing past 2048: the nearest below
+    # A wide step where no one-token step was timed has nothing to be compared with: not recorded.
+    for _ in range(3):
+        costs.record(1, 5, 0.100, context=5000)
+    assert costs.ratio(5, context=5000) == pytest.approx(1.5)
+    # Within a bucket, an unmeasured width extrapolates that bucket's own widths.
+    assert costs.ratio(9, context=100) == pytest.approx(1.2 + 4 * 0.05)
+    assert costs.ratio(9, context=1000) == pytest.approx(1.5 + 4 * 0.125)
+    assert costs.ratios(3, context=1000) == [1.0, costs.ratio(2, context=1000), costs.ratio(3, context=1000)]
+
+
+class RecordingCosts(StepCosts):
+    """Step costs that remember each step's (width, context) and cost nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: list[tuple[int, int]] = []
+        self.asked: list[int] = []
+
+    def record(self, batch: int, width: int, seconds: float, context: int = 0) -> None:
+        self.steps.append((width, context))
+
+    def ratio(self, width: int, batch: int = 1, context: int = 0) -> float:
+        self.asked.append(context)
+        return 1.0
+
+
+def test_the_engine_times_each_step_at_its_context() -> None:
+    """Every step is recorded, and its costs read, at the tokens cached before it."""
+    costs = RecordingCosts()
+    prompt = list(range(V)) + [0, 1, 2]
+    seq = generate(Successor(1), prompt, costs, k=4, n=30)
+    assert any(width > 1 for width, _ in costs.steps)
+    contexts = [context for _, context in costs.steps] + [len(seq.tokens) - 1]
+    assert contexts[0] == len(prompt) - 1
+    # Each step moves the context on by the tokens it emitted: at least 1, at most its width.
+    for (width, _), before, after in zip(costs.steps, contexts, contexts[1:]):
+        assert 1 <= after - before <= width
+    assert set(costs.asked) <= set(contexts[:-1]) and costs.asked
 
 
 def test_costs_stay_with_the_target() -> None:

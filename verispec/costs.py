@@ -2,10 +2,10 @@
 
 Speculation pays only when the tokens a step is expected to emit outgrow what the wider step costs.
 On a CPU that cost is far from the idealised 1 (Leviathan et al., 2023): here a forward over 5 tokens
-costs 1.0-1.2 one-token steps with float32 weights and 1.3-1.5 with int8 weights (1.7-2.4 before
-the int8 kernel moved to integer products), and it moves with the machine's load. So the engine
-times every step by its width (tokens per row) and keeps the figures
-per target (:func:`costs_for`), and :func:`best_draft_length` picks, per row, the draft length with
+costs 1.0-1.2 one-token steps with float32 weights and 1.2-1.5 with int8 weights (1.7-2.4 before
+the int8 kernel moved to integer products), and it moves with the context's length and the machine's
+load. So the engine times every step by its width (tokens per row) and its context and keeps the
+figures per target (:func:`costs_for`), and :func:`best_draft_length` picks, per row, the draft length with
 the most expected tokens per unit of measured cost, given the drafter's estimate of each draft
 token's chance of acceptance (:attr:`verispec.proposers.Proposal.accept_probs`).
 """
@@ -23,84 +23,147 @@ float32 kernel's figure: 5 tokens ~1.2x). Optimistic for slower formats on purpo
 gets tried and measured instead of never being used."""
 
 
-class StepCosts:
-    """Running cost of a target step by (batch size, width), relative to a one-token step.
+CONTEXT_BUCKET_TOKENS = 256
+"""Cached tokens below which a step's cost counts as a short context's (:func:`context_bucket`)."""
 
-    Each step of width w > 1 is stored as its time over the current median one-token time, so the
-    figure compares calls made at the same context length and machine load; the ratio of a width is
-    the median of its recent samples (a thread probe or another process's burst is one outlier).
-    Samples expire after ``horizon`` steps: a width judged too dear during a burst of load is no
-    longer drafted, so nothing would correct its figure; once expired, the optimistic extrapolation
-    has it tried and measured again (a few steps every ``horizon``).
+
+def context_bucket(context: int) -> int:
+    """The bucket of a step over ``context`` cached tokens: 0 below :data:`CONTEXT_BUCKET_TOKENS`
+    (256), then one per doubling (256-511 -> 1, 512-1023 -> 2, 1024-2047 -> 3, ...).
+
+    A wider step's extra cost grows with the context: its attention reads the cache once per token
+    while the weights are read once for all. SmolLM2-135M, int8 weights, on the Xeon (median of 9,
+    ``benchmarks/README.md``, session 15): 5 tokens over 1 cost 1.22 at 50 cached tokens, 1.23 at 200,
+    1.40 at 500, 1.41 at 1000 and 1.53 at 1500; 9 tokens 1.82, 1.85, 2.34, 2.23 and 2.35.
+    """
+    return (max(0, context) // CONTEXT_BUCKET_TOKENS).bit_length()
+
+
+class StepCosts:
+    """Running cost of a target step by (batch size, context bucket, width), relative to a one-token
+    step over the same batch at the same context bucket (:func:`context_bucket`).
+
+    Each step of width w > 1 is stored as its time over the current median one-token time of its
+    batch size and context bucket, so the figure compares calls made at about the same context
+    length and machine load; the ratio of a width is the median of its recent samples (a thread
+    probe or another process's burst is one outlier). A wider step in a bucket without a one-token
+    time yet is not recorded. Samples expire after ``horizon`` steps: a width judged too dear
+    during a burst of load is no longer drafted, so nothing would correct its figure; once expired,
+    the optimistic extrapolation has it tried and measured again (a few steps every ``horizon``).
+
+    A bucket with nothing measured at or below a width borrows the nearest bucket that has it,
+    shorter contexts first (their figures are the lower, optimistic ones: a width gets tried and
+    measured in its own bucket instead of never being drafted there).
     """
 
     window: int = 31
-    """Samples kept per (batch, width)."""
+    """Samples kept per (batch, bucket, width)."""
     min_samples: int = 3
     """Unexpired samples a width needs before its own median replaces the extrapolation."""
     horizon: int = 512
     """Steps (of any width) after which a sample of a wider step expires."""
 
     def __init__(self) -> None:
-        self._single: dict[int, deque[float]] = {}
-        self._ratios: dict[tuple[int, int], deque[tuple[int, float]]] = {}
+        self._single: dict[tuple[int, int], deque[float]] = {}
+        """Per (batch, bucket), the recent one-token step times."""
+        self._ratios: dict[tuple[int, int, int], deque[tuple[int, float]]] = {}
+        """Per (batch, bucket, width), the recent (step, ratio) samples."""
+        self._buckets: dict[int, list[int]] = {}
+        """Per batch size, the buckets with any ratio sample, ascending."""
+        self._orders: dict[tuple[int, int], list[int]] = {}
+        """Per (batch, bucket), :meth:`_bucket_order`'s answer until a bucket is added."""
         self._steps = 0
-        self._medians: dict[tuple[int, int], tuple[float, float | None]] = {}
-        """Per (batch, width), the last :meth:`_measured` answer until a sample arrives: (step at
-        which its oldest sample expires, median). Every step asks for every width, and a median over
-        the window each time cost more than the rest of choosing a draft length."""
+        self._medians: dict[tuple[int, int, int], tuple[float, float | None]] = {}
+        """Per (batch, bucket, width), the last :meth:`_measured` answer until a sample arrives: (step
+        at which its oldest sample expires, median). Every step asks for every width, and a median
+        over the window each time cost more than the rest of choosing a draft length."""
 
-    def record(self, batch: int, width: int, seconds: float) -> None:
-        """One step over ``batch`` rows of ``width`` tokens took ``seconds``."""
+    def record(self, batch: int, width: int, seconds: float, context: int = 0) -> None:
+        """One step over ``batch`` rows of ``width`` tokens, after ``context`` cached tokens (the
+        longest row's), took ``seconds``."""
         self._steps += 1
+        bucket = context_bucket(context)
         if width <= 1:
-            self._single.setdefault(batch, deque(maxlen=self.window)).append(seconds)
+            self._single.setdefault((batch, bucket), deque(maxlen=self.window)).append(seconds)
             return
-        single = self._single.get(batch)
+        single = self._single.get((batch, bucket))
         if not single:
             return  # nothing to compare with yet
         base = statistics.median(single)
         if base > 0:
-            samples = self._ratios.setdefault((batch, width), deque(maxlen=self.window))
+            key = (batch, bucket, width)
+            samples = self._ratios.get(key)
+            if samples is None:
+                samples = self._ratios[key] = deque(maxlen=self.window)
+                known = self._buckets.setdefault(batch, [])
+                if bucket not in known:
+                    known.append(bucket)
+                    known.sort()
+                    self._orders.clear()
             samples.append((self._steps, seconds / base))
-            self._medians.pop((batch, width), None)
+            self._medians.pop(key, None)
 
-    def _measured(self, batch: int, width: int) -> float | None:
-        """Median of the unexpired samples of ``width``, if there are enough."""
-        samples = self._ratios.get((batch, width))
+    def _measured(self, batch: int, bucket: int, width: int) -> float | None:
+        """Median of the unexpired samples of ``width`` in ``bucket``, if there are enough."""
+        key = (batch, bucket, width)
+        samples = self._ratios.get(key)
         if not samples:
             return None
-        cached = self._medians.get((batch, width))
+        cached = self._medians.get(key)
         if cached is not None and self._steps < cached[0]:
             return cached[1]
         recent = [(step, r) for step, r in samples if step > self._steps - self.horizon]
         value = statistics.median(r for _, r in recent) if len(recent) >= self.min_samples else None
         # Valid until a new sample arrives or the oldest one used expires (None: until a new sample).
         expires = recent[0][0] + self.horizon if recent and value is not None else float("inf")
-        self._medians[batch, width] = (expires, value)
+        self._medians[key] = (expires, value)
         return value
 
-    def ratio(self, width: int, batch: int = 1) -> float:
-        """``v(width)``: a step of ``width`` tokens per row over a one-token step (1 for width <= 1).
-
-        An unmeasured width extrapolates the widest measured one below it at that width's own cost
-        per extra token (at least the prior's); with nothing measured, the prior.
-        """
-        if width <= 1:
-            return 1.0
-        own = self._measured(batch, width)
+    def _ratio_in(self, batch: int, bucket: int, width: int) -> float | None:
+        """``v(width)`` from ``bucket``'s samples alone: its own median, else the widest measured
+        width below extrapolated at that width's cost per extra token (at least the prior's); None
+        when no width in 2..``width`` is measured there."""
+        own = self._measured(batch, bucket, width)
         if own is not None:
             return own
         for w in range(width - 1, 1, -1):  # the widest measured width below
-            v = self._measured(batch, w)
+            v = self._measured(batch, bucket, w)
             if v is not None:
                 per_token = max(PRIOR_EXTRA_TOKEN_COST, (v - 1.0) / (w - 1))
                 return v + per_token * (width - w)
+        return None
+
+    def _bucket_order(self, batch: int, context: int) -> list[int]:
+        """The buckets to read a ratio from: the context's own, then shorter ones nearest first,
+        then longer ones nearest first (only those with samples). Kept until a bucket is added."""
+        home = context_bucket(context)
+        order = self._orders.get((batch, home))
+        if order is None:
+            known = self._buckets.get(batch, [])
+            below = [b for b in reversed(known) if b < home]
+            above = [b for b in known if b > home]
+            order = self._orders[batch, home] = [home, *below, *above]
+        return order
+
+    def ratio(self, width: int, batch: int = 1, context: int = 0) -> float:
+        """``v(width)``: a step of ``width`` tokens per row over a one-token step (1 for width <= 1),
+        after ``context`` cached tokens.
+
+        An unmeasured width extrapolates the widest measured one below it at that width's own cost
+        per extra token (at least the prior's); with nothing measured in the context's bucket, the
+        nearest bucket's figure (see the class); with nothing measured at all, the prior.
+        """
+        if width <= 1:
+            return 1.0
+        for bucket in self._bucket_order(batch, context):
+            v = self._ratio_in(batch, bucket, width)
+            if v is not None:
+                return v
         return 1.0 + PRIOR_EXTRA_TOKEN_COST * (width - 1)
 
-    def ratios(self, widths: int, batch: int = 1) -> list[float]:
-        """``[v(1), ..., v(widths)]``."""
-        return [self.ratio(w, batch) for w in range(1, widths + 1)]
+    def ratios(self, widths: int, batch: int = 1, context: int = 0) -> list[float]:
+        """``[v(1), ..., v(widths)]`` after ``context`` cached tokens."""
+        return [self.ratio(w, batch, context) for w in range(1, widths + 1)]
 
 
 def prior_ratios(widths: int) -> list[float]:

@@ -195,11 +195,12 @@ class Engine:
             )
             for s in seqs
         ]
+        context = max(len(s.tokens) for s in seqs) - 1  # cached tokens before the step, longest row
         proposal, num_draft = None, None
         tree: list[list[tuple[int, int]]] | None = None
         if self.proposer is not None and max(room) > 0:
             ks = torch.tensor(room, dtype=torch.int64)
-            proposal, num_draft, tree = self._propose(seqs, ks, params)
+            proposal, num_draft, tree = self._propose(seqs, ks, params, context)
         # A plain step builds no tensors for its (empty) drafts.
         drafted = [0] * len(seqs) if num_draft is None else num_draft.tolist()
         width = max(drafted)
@@ -207,7 +208,7 @@ class Engine:
         pending = torch.tensor([[s.tokens[-1]] for s in seqs])  # [B, 1]
         if tree is not None and any(tree):
             assert proposal is not None and num_draft is not None
-            return self._tree_step(seqs, slots, pending, proposal, num_draft, tree, start)
+            return self._tree_step(seqs, slots, pending, proposal, num_draft, tree, start, context)
         if width:
             assert proposal is not None and num_draft is not None
             draft_tokens = proposal.tokens[:, :width]  # [B, width]
@@ -231,7 +232,9 @@ class Engine:
             accepted = verdict.num_accepted.tolist()
             emitted = [tokens[: a + 1] for tokens, a in zip(verdict.tokens.tolist(), accepted)]
         no_alternatives = [0] * len(seqs)
-        return self._finish(seqs, slots, emitted, accepted, drafted, no_alternatives, width + 1, start)
+        return self._finish(
+            seqs, slots, emitted, accepted, drafted, no_alternatives, width + 1, start, context
+        )
 
     def _finish(
         self,
@@ -243,9 +246,11 @@ class Engine:
         alternatives: list[int],
         width: int,
         start: float,
+        context: int,
     ) -> list[StepEvent]:
         """Commit each row's ``emitted`` tokens (its ``accepted`` draft tokens, then the target's),
-        roll the target's cache back to them and time the step (``width`` tokens per row)."""
+        roll the target's cache back to them and time the step (``width`` tokens per row, after
+        ``context`` cached tokens)."""
         events = []
         keep_lengths = []
         for row, seq in enumerate(seqs):
@@ -258,7 +263,7 @@ class Engine:
                 seq.k = self.adaptive(seq, drafted[row], min(accepted[row], drafted[row]))
             events.append(StepEvent(seq=seq, token_ids=tokens, from_draft=flags))
         self.target.truncate(keep_lengths, rows=slots)
-        self.costs.record(len(seqs), width, time.perf_counter() - start)
+        self.costs.record(len(seqs), width, time.perf_counter() - start, context)
         return events
 
     def _tree_step(
@@ -270,6 +275,7 @@ class Engine:
         num_draft: torch.Tensor,
         tree: list[list[tuple[int, int]]],
         start: float,
+        context: int,
     ) -> list[StepEvent]:
         """Verify each row's chain of ``num_draft`` drafts and, beside chain position i, its chosen
         alternatives ``tree[row]`` (``(i, s)``: ``proposal.alternatives[row, i, s]``), all greedy, in
@@ -305,18 +311,19 @@ class Engine:
                 self.target.keep_path(slots[row], start_at, [*range(kept), 1 + width + alt])
         alternatives = [len(t) for t in tree]
         return self._finish(
-            seqs, slots, emitted, accepted, num_draft.tolist(), alternatives, 1 + width + most, start
+            seqs, slots, emitted, accepted, num_draft.tolist(), alternatives, 1 + width + most, start, context
         )
 
     def _propose(
-        self, seqs: list[SequenceState], ks: torch.Tensor, params: SamplingTensors
+        self, seqs: list[SequenceState], ks: torch.Tensor, params: SamplingTensors, context: int
     ) -> tuple[Proposal, torch.Tensor, list[list[tuple[int, int]]] | None]:
         """Draft for the rows with ``ks > 0`` only, scattered back to the whole batch.
 
         Returns a :class:`Proposal` over all B rows, ``num_draft`` ``[B]`` and, when the drafter
         gave alternatives and the step can verify a tree (all rows greedy, a target that takes
         ``offsets``), the alternatives chosen per row (``(i, s)`` pairs, see
-        :func:`~verispec.costs.best_tree`), else None. A row whose k was 0 when it joined
+        :func:`~verispec.costs.best_tree`), else None; costs are read at ``context`` cached tokens
+        (the longest row's). A row whose k was 0 when it joined
         (speculation off, or capped by a batch policy) starts its drafter here.
         """
         assert self.proposer is not None
@@ -345,10 +352,16 @@ class Engine:
             and params.all_greedy
             and getattr(self.target, "supports_tree", False)
         ):
-            sub_num, sub_tree = self._worth_verifying_tree([seqs[i] for i in rows], sub, sub_num, len(seqs))
+            picked = [seqs[i] for i in rows]
+            sub_num, sub_tree = self._worth_verifying_tree(picked, sub, sub_num, len(seqs), context)
         elif sub.accept_probs is not None:
             sub_num = self._worth_verifying(
-                [seqs[i] for i in rows], sub.accept_probs, sub_num, len(seqs), sampled=sub.probs is not None
+                [seqs[i] for i in rows],
+                sub.accept_probs,
+                sub_num,
+                len(seqs),
+                context,
+                sampled=sub.probs is not None,
             )
         tree = None
         if sub_tree is not None:
@@ -374,7 +387,7 @@ class Engine:
         return merged, num_draft, tree
 
     def _worth_verifying_tree(
-        self, seqs: list[SequenceState], proposal: Proposal, num_draft: torch.Tensor, batch: int
+        self, seqs: list[SequenceState], proposal: Proposal, num_draft: torch.Tensor, batch: int, context: int
     ) -> tuple[torch.Tensor, list[list[tuple[int, int]]]]:
         """Per row, the chain length and the alternatives beside it worth verifying at this target's
         measured cost (:func:`~verispec.costs.best_tree`); ``num_draft`` ``[n]`` caps the chain, and
@@ -395,7 +408,7 @@ class Engine:
         nodes = max((n + sum(len(o) for o in opts) for n, opts in per_row), default=0)
         room = min(self.target.max_length - len(s.tokens) for s in seqs)  # cache positions left
         nodes = max(0, min(nodes, room, getattr(self.target, "kernel_max_tokens", 16) - 1))
-        curve = self.costs.ratios(nodes + 1, batch)
+        curve = self.costs.ratios(nodes + 1, batch, context)
         out = num_draft.clone()
         tree = []
         for row, (n, options) in enumerate(per_row):
@@ -413,10 +426,12 @@ class Engine:
         accept_probs: torch.Tensor,
         num_draft: torch.Tensor,
         batch: int,
+        context: int,
         sampled: bool = False,
     ) -> torch.Tensor:
         """Cut each row's draft (``accept_probs`` ``[n, k]``, ``num_draft`` ``[n]``) to the length
-        with the most expected tokens per unit of this target's measured step cost; 0 where no draft
+        with the most expected tokens per unit of this target's measured step cost at ``context``
+        cached tokens; 0 where no draft
         pays for its verification. ``sampled``: the drafter drew its tokens (it gave distributions);
         its sampling rows are then cut by a stopping rule, without looking ahead
         (:func:`~verispec.costs.best_draft_length`).
@@ -437,7 +452,7 @@ class Engine:
                 fixed = seq.config.seed is not None and not seq.config.sampling.greedy
                 if fixed not in curves:
                     width = widest + 1
-                    curves[fixed] = prior_ratios(width) if fixed else self.costs.ratios(width, batch)
+                    curves[fixed] = prior_ratios(width) if fixed else self.costs.ratios(width, batch, context)
                 lookahead = not (sampled and not seq.config.sampling.greedy)
                 out[row] = best_draft_length(accept[row][:n], curves[fixed], lookahead=lookahead)
         return torch.tensor(out, dtype=torch.int64)
