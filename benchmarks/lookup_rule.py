@@ -32,6 +32,10 @@ COST_CURVES = {
     "int8": (1.0, 1.17, 1.25, 1.69, 1.68, 1.99, 2.29, 2.60, 2.91),
     # float32: 5 tokens 1.20, 9 tokens 1.66 (sessions 2-3), linear between.
     "float32": (1.0, 1.05, 1.10, 1.15, 1.20, 1.315, 1.43, 1.545, 1.66),
+    # Session 15, the Xeon, int8 (float16 cache), medians of 9 at 200 and at 1000 cached tokens
+    # (2, 3, 5 and 9 tokens measured; 4, 6, 7 and 8 interpolated).
+    "int8-200": (1.0, 1.06, 1.12, 1.175, 1.23, 1.385, 1.54, 1.695, 1.85),
+    "int8-1000": (1.0, 1.09, 1.21, 1.31, 1.41, 1.615, 1.82, 2.025, 2.23),
 }
 
 
@@ -106,12 +110,15 @@ def replay_one(
 
 
 def rules(specs: str) -> dict[str, tuple[Callable[[], PromptLookup], float]]:
-    """Rules named ``prior_weight/extra_cost_weight`` (:class:`PromptLookup`'s prior weight,
-    :func:`best_draft_length`'s weight on extra cost), comma-separated."""
+    """Rules named ``prior_weight/extra_cost_weight[/voteN]`` (:class:`PromptLookup`'s prior weight,
+    :func:`best_draft_length`'s weight on extra cost, and N for :attr:`PromptLookup.vote_below`),
+    comma-separated."""
     out: dict[str, tuple[Callable[[], PromptLookup], float]] = {}
     for spec in specs.split(","):
-        w, x = (float(v) for v in spec.split("/"))
-        out[spec] = (lambda w=w: PromptLookup(prior_weight=w), x)
+        parts = spec.split("/")
+        w, x = float(parts[0]), float(parts[1])
+        vote = int(parts[2].removeprefix("vote")) if len(parts) > 2 else 0
+        out[spec] = (lambda w=w, vote=vote: PromptLookup(prior_weight=w, vote_below=vote), x)
     return out
 
 

@@ -81,10 +81,57 @@ def test_match_is_the_longest_most_recent_earlier_occurrence() -> None:
         seq = rng.integers(0, vocab, n)
         if rng.random() < 0.3:  # periodic text: many candidates, long matches
             seq = np.tile(seq[: max(1, n // 6)], 8)[:n]
-        pl = PromptLookup(max_ngram=int(rng.integers(1, 40)))
+        pl = PromptLookup(max_ngram=int(rng.integers(1, 40)), vote_below=0)
         expected = _naive_match(seq.tolist(), pl.max_ngram)
         assert pl.match(seq) == expected
         # The search on Python ints, for few candidates, finds the same match.
+        toks = seq.tolist()
+        ends = [i for i in range(len(toks) - 1) if toks[i] == toks[-1]]
+        assert pl._match_among(toks, ends) == expected
+
+
+def _naive_vote(seq: list[int], max_ngram: int, below: int) -> tuple[int, int]:
+    """The definition of ``PromptLookup(vote_below=below).match``: the longest earlier match, the
+    most recent among equals, but for matches shorter than ``below``, the most recent of those
+    followed by the token most of them were followed by (ties: the one seen latest)."""
+    n, lengths = len(seq), {}
+    for end in range(n - 1):
+        length = 0
+        while length < max_ngram and end - length >= 0 and seq[end - length] == seq[n - 1 - length]:
+            length += 1
+        lengths[end] = length
+    best = max(lengths.values(), default=0)
+    if not best:
+        return 0, 0
+    if best >= below:
+        return _naive_match(seq, max_ngram)
+    counts: dict[int, int] = {}
+    latest: dict[int, int] = {}
+    for end, length in lengths.items():  # ascending: later ends overwrite
+        if length == best:
+            counts[seq[end + 1]] = counts.get(seq[end + 1], 0) + 1
+            latest[seq[end + 1]] = end
+    token = max(counts, key=lambda t: (counts[t], latest[t]))
+    return latest[token] + 1, best
+
+
+def test_short_matches_copy_their_most_common_continuation() -> None:
+    seq = [1, 9, 2, 1, 9, 3, 1, 8, 4, 1]  # "1" was followed by 9, 9, 8: copy 9, from its latest
+    assert PromptLookup(vote_below=0).match(np.array(seq)) == (7, 1)
+    assert PromptLookup().match(np.array(seq)) == (4, 1)
+    assert PromptLookup()._match_among(seq, [0, 3, 6]) == (4, 1)
+    seq = [5, 1, 9, 5, 1, 8, 5, 1, 8, 2, 5, 1]  # "5 1" is 2 tokens long: the most recent, not the vote
+    assert PromptLookup().match(np.array(seq)) == (8, 2)
+    rng = np.random.default_rng(4)
+    for _ in range(3000):
+        n, vocab = int(rng.integers(1, 120)), int(rng.integers(1, 6))
+        seq = rng.integers(0, vocab, n)
+        if rng.random() < 0.3:  # periodic text: many candidates, long matches
+            seq = np.tile(seq[: max(1, n // 6)], 8)[:n]
+        below = int(rng.choice([0, 2, 3, 10**9]))
+        pl = PromptLookup(max_ngram=int(rng.integers(1, 40)), vote_below=below)
+        expected = _naive_vote(seq.tolist(), pl.max_ngram, below)
+        assert pl.match(seq) == expected
         toks = seq.tolist()
         ends = [i for i in range(len(toks) - 1) if toks[i] == toks[-1]]
         assert pl._match_among(toks, ends) == expected
@@ -126,7 +173,7 @@ def test_propose_follows_growing_replaced_and_edited_sequences(few: int) -> None
         assert torch.equal(prop.tokens, fresh.tokens) and torch.equal(prop.num_draft, fresh.num_draft)
         assert prop.accept_probs is not None and prop.accept_probs.dtype == torch.float32
         for row, seq in enumerate(seqs):
-            start, length = _naive_match(seq, pl.max_ngram)
+            start, length = _naive_vote(seq, pl.max_ngram, pl.vote_below)
             draft = seq[start : start + want[row]] if length else []
             n = int(prop.num_draft[row])
             assert n == len(draft) and prop.tokens[row, :n].tolist() == draft

@@ -277,6 +277,26 @@ class AcceptanceCounts:
             counts[b, 0] += 1
 
 
+LOOKUP_VOTE_BELOW = 2
+"""Match lengths below which prompt lookup copies the continuation most often seen after the match
+(:attr:`PromptLookup.vote_below`): one-token matches. Replaying the cost rule on held-out Spec-Bench
+outputs (``benchmarks/lookup_rule.py``, int8 costs at 200 and 1000 cached tokens, k = 8; session 15)
+raised the decode speedup on summarization 1.297 -> 1.343 and 1.227 -> 1.256 (questions 6-11),
+1.554 -> 1.597 and 1.450 -> 1.468 (questions 12-23), on rag 1.361 -> 1.408 / 1.287 -> 1.320 and
+1.734 -> 1.757 / 1.573 -> 1.589, and on reasoning 1.301 -> 1.332; it lost on humanities (1.252 ->
+1.233), math (1.298 -> 1.285) and translation (1.552 -> 1.545); all categories 1.252 -> 1.259 and
+1.434 -> 1.444. Voting at every match length gained no more."""
+
+
+def _most_common_latest(tokens: np.ndarray) -> int:
+    """Index into ``tokens`` ``[T]`` (oldest first) of the latest occurrence of the most common
+    token; among equally common tokens, the one that occurred latest."""
+    values, inverse, counts = np.unique(tokens, return_inverse=True, return_counts=True)
+    latest = np.zeros(values.size, dtype=np.int64)
+    np.maximum.at(latest, inverse, np.arange(tokens.size))
+    return int(latest[np.lexsort((latest, counts))[-1]])
+
+
 def lookup_bucket(length: int) -> int:
     """Index of the :data:`LOOKUP_BUCKETS` bucket holding match length ``length`` (>= 1)."""
     return bisect.bisect_right(LOOKUP_BUCKETS, length) - 1
@@ -327,8 +347,10 @@ _SYNC_CHECK = 8
 
 
 class PromptLookup:
-    """n-gram prompt lookup: find the earlier occurrence of the longest suffix of the sequence (the
-    most recent one among equally long matches) and propose the tokens that followed it.
+    """n-gram prompt lookup: find the earlier occurrence of the longest suffix of the sequence and
+    propose the tokens that followed it. Among equally long matches it copies the most recent one,
+    except below :attr:`vote_below` tokens (a one-token match, by default), where it copies the most
+    recent of those followed by the token that most of them were followed by.
 
     How far to copy is the engine's call, made from measured costs: each proposed token comes with
     the chance it is accepted (``Proposal.accept_probs``), which grows with the match. A match of m
@@ -349,6 +371,7 @@ class PromptLookup:
         tokens_per_match: int | None = None,
         prior: Sequence[float] = LOOKUP_ACCEPTANCE_PRIOR,
         prior_weight: float = 4.0,
+        vote_below: int = LOOKUP_VOTE_BELOW,
     ):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
@@ -364,6 +387,10 @@ class PromptLookup:
         """Shortest match worth proposing from."""
         self.tokens_per_match = tokens_per_match
         """If set, at most this many draft tokens per matched token (a fixed rule; None: as many as k)."""
+        self.vote_below = vote_below
+        """When the longest match is shorter than this many tokens and occurred more than once, copy
+        from the most recent occurrence whose next token is the most common next token among those
+        occurrences; otherwise (and with 0) from the most recent occurrence."""
         self.few_candidates = 48
         """Up to this many earlier occurrences of the last token, the match is found on Python ints;
         beyond, with numpy over all of them at once. After a forward has streamed the weights
@@ -462,6 +489,10 @@ class PromptLookup:
         same = (pos >= 0) & (a[np.maximum(pos, 0)] == a[n - span :][::-1])  # suffix read backwards
         lengths = np.logical_and.accumulate(same, axis=1).sum(axis=1)  # [C]
         last = lengths.size - 1 - int(lengths[::-1].argmax())  # the most recent of the longest
+        if lengths[last] < self.vote_below:
+            tied = np.flatnonzero(lengths == lengths[last])  # [T] the longest, ascending
+            if tied.size > 1:
+                last = int(tied[_most_common_latest(a[ends[tied] + 1])])
         return int(ends[last]) + 1, int(lengths[last])
 
     def _match_among(self, toks: list[int], ends: list[int]) -> tuple[int, int]:
@@ -469,14 +500,21 @@ class PromptLookup:
         token, on Python ints: a few candidates, each compared until its first mismatch."""
         n, best, start = len(toks), 0, 0
         span = min(self.max_ngram, n - 1)
+        tied: list[int] = []  # the ends of every match as long as the best, latest first
         for end in reversed(ends):  # the most recent first: a later one must be longer to win
             length = 1
             while length < span and end >= length and toks[end - length] == toks[n - 1 - length]:
                 length += 1
             if length > best:
                 best, start = length, end + 1
-                if best == span:
+                tied = [end]
+                if best == span and best >= self.vote_below:
                     break
+            elif length == best and best < self.vote_below:
+                tied.append(end)
+        if len(tied) > 1 and best < self.vote_below:
+            nxt = np.asarray([toks[e + 1] for e in reversed(tied)])  # oldest first
+            start = tied[len(tied) - 1 - _most_common_latest(nxt)] + 1
         return start, best
 
     def lookup(self, seq: Sequence[int] | torch.Tensor, k: int) -> list[int]:
