@@ -33,6 +33,7 @@ from verispec.models.fast_llama import (
     _plain_rows,
     _quantize_rows,
     kernel_available,
+    prune_kernel_builds,
 )
 
 HAVE_KERNEL = kernel_available()
@@ -784,3 +785,38 @@ def test_timing_the_schedules_leaves_the_model_empty_and_on_the_default() -> Non
     assert set(times) == set(SCHEDULES) and all(len(v) == 2 and min(v) > 0 for v in times.values())
     assert fast._kernel.get_schedule() == SCHEDULES[DEFAULT]
     assert not fast._lengths.any()
+
+
+def test_old_kernel_builds_are_pruned_and_the_current_one_kept(tmp_path: Path) -> None:
+    """Every source version (and checkout) builds its own kernel directory: those unused for
+    ``max_age_days`` go, the current one and recently used ones stay, other files are not touched."""
+    import os
+    import time
+
+    def build(name: str, days_ago: float, marker: bool) -> Path:
+        d = tmp_path / f"verispec_fast_llama_{name}"
+        d.mkdir()
+        (d / "verispec_fast_llama.so").write_bytes(b"x")
+        when = time.time() - days_ago * 86400
+        if marker:
+            (d / "last_used").touch()
+            os.utime(d / "last_used", (when, when))
+        os.utime(d, (when, when))
+        return d
+
+    current = build("current", 90, marker=False)  # built long ago, in use now
+    old_marked = build("oldmarked", 45, marker=True)
+    old_unmarked = build("oldunmarked", 45, marker=False)
+    recent = build("recent", 3, marker=True)
+    built_long_ago_used_lately = build("used", 1, marker=True)
+    os.utime(built_long_ago_used_lately, (time.time() - 90 * 86400,) * 2)
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    os.utime(converted, (time.time() - 90 * 86400,) * 2)
+
+    removed = prune_kernel_builds(current, max_age_days=30)
+    assert sorted(removed) == sorted([old_marked, old_unmarked])
+    assert not old_marked.exists() and not old_unmarked.exists()
+    assert current.exists() and recent.exists() and built_long_ago_used_lately.exists()
+    assert converted.exists()
+    assert (current / "last_used").stat().st_mtime > time.time() - 60  # marked as used now

@@ -66,6 +66,8 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -130,7 +132,42 @@ def _load_kernel() -> Any:
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path"
         _kernel_error = f"{type(exc).__name__}: {exc}"
         logger.warning("verispec fast kernel unavailable, using torch matmuls: %s", _kernel_error)
+        return None
+    try:
+        prune_kernel_builds(build)
+    except OSError as exc:  # a read-only or shared cache: keep every build
+        logger.debug("verispec: old kernel builds not pruned: %s", exc)
     return _kernel_module
+
+
+KERNEL_BUILD_MAX_AGE_DAYS = 30.0
+"""Kernel builds (one per source version, flags and checkout) unused for this long are removed."""
+
+
+def prune_kernel_builds(current: Path, max_age_days: float = KERNEL_BUILD_MAX_AGE_DAYS) -> list[Path]:
+    """Mark the build directory ``current`` as used now, and remove its siblings (other
+    ``verispec_fast_llama_*`` builds, about 2 MB each) last used more than ``max_age_days`` ago.
+
+    Every upgrade and every checkout in another place makes a new build; without this the cache
+    grows by one per version forever. A process still running an old build keeps it: the loaded
+    library stays mapped after its file is removed. Returns the directories removed.
+    """
+    stamp = current / "last_used"
+    stamp.touch()
+    cutoff = time.time() - max_age_days * 86400
+    removed = []
+    for build in current.parent.glob("verispec_fast_llama_*"):
+        if build == current or not build.is_dir():
+            continue
+        marker = build / "last_used"  # builds from before the marker: when they were built
+        try:
+            used = (marker if marker.exists() else build).stat().st_mtime
+        except OSError:
+            continue  # removed meanwhile by another process
+        if used < cutoff:
+            shutil.rmtree(build, ignore_errors=True)
+            removed.append(build)
+    return removed
 
 
 def kernel_available() -> bool:
