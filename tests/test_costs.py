@@ -114,6 +114,21 @@ def test_step_costs_are_ratios_to_the_one_token_step() -> None:
     assert costs.ratios(3) == [1.0, costs.ratio(2), costs.ratio(3)]
 
 
+def test_a_rarely_seen_context_keeps_its_figures_until_it_comes_back() -> None:
+    """Samples expire after ``horizon`` steps in their own bucket: long prompts among many short
+    ones keep what their wide steps cost, while short contexts' figures still expire."""
+    costs = StepCosts()
+    for _ in range(3):
+        costs.record(1, 1, 0.010, context=1000)
+        costs.record(1, 9, 0.022, context=1000)
+        costs.record(1, 1, 0.010, context=100)
+        costs.record(1, 9, 0.018, context=100)
+    for _ in range(costs.horizon):  # many short requests meanwhile
+        costs.record(1, 1, 0.010, context=100)
+    assert costs.ratio(9, context=1000) == pytest.approx(2.2)  # kept
+    assert costs.ratio(9, context=100) == pytest.approx(1 + 8 * PRIOR_EXTRA_TOKEN_COST)  # expired
+
+
 def test_a_width_judged_too_dear_is_measured_again_later() -> None:
     costs = StepCosts()
     for _ in range(5):
@@ -140,9 +155,8 @@ def test_kept_medians_equal_medians_computed_afresh() -> None:
         width = rng.choice([1, 1, 1, 2, 3, 4]) if rng.random() < 0.7 else 1
         costs.record(1, width, rng.uniform(0.005, 0.02))
         for w in range(2, 5):
-            window = [
-                r for step, r in costs._ratios.get((1, 0, w), []) if step > costs._steps - costs.horizon
-            ]
+            now = costs._steps[1, 0]
+            window = [r for step, r in costs._ratios.get((1, 0, w), []) if step > now - costs.horizon]
             fresh = statistics.median(window) if len(window) >= costs.min_samples else None
             assert costs._measured(1, 0, w) == fresh
 
@@ -156,12 +170,13 @@ def test_context_buckets_double_from_256_tokens() -> None:
 def test_step_costs_are_kept_per_context_bucket() -> None:
     """A wide step costs more at a long context (its attention reads the cache per token): each
     bucket keeps its own ratio, against its own one-token time; a bucket with nothing measured
-    borrows the nearest shorter one, else the nearest longer one."""
+    borrows the nearest shorter one, else takes the (optimistic) prior, never a longer one's."""
     costs = StepCosts()
-    for _ in range(3):  # only a long context measured so far: every context reads it
+    for _ in range(3):  # only a long context measured so far: longer ones read it, shorter ones not
         costs.record(1, 1, 0.011, context=1000)
         costs.record(1, 5, 0.0165, context=1000)
-    assert costs.ratio(5, context=100) == pytest.approx(1.5)
+    assert costs.ratio(5, context=5000) == pytest.approx(1.5)
+    assert costs.ratio(5, context=100) == pytest.approx(1 + 4 * PRIOR_EXTRA_TOKEN_COST)
     for _ in range(3):
         costs.record(1, 1, 0.010, context=100)
         costs.record(1, 5, 0.012, context=100)

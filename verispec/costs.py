@@ -47,13 +47,16 @@ class StepCosts:
     batch size and context bucket, so the figure compares calls made at about the same context
     length and machine load; the ratio of a width is the median of its recent samples (a thread
     probe or another process's burst is one outlier). A wider step in a bucket without a one-token
-    time yet is not recorded. Samples expire after ``horizon`` steps: a width judged too dear
-    during a burst of load is no longer drafted, so nothing would correct its figure; once expired,
-    the optimistic extrapolation has it tried and measured again (a few steps every ``horizon``).
+    time yet is not recorded. Samples expire after ``horizon`` steps in their bucket: a width judged
+    too dear during a burst of load is no longer drafted, so nothing would correct its figure; once
+    expired, the optimistic extrapolation has it tried and measured again (a few steps every
+    ``horizon``). Counting steps per bucket keeps the figures of contexts seen rarely (long prompts
+    among many short ones) until they are needed again.
 
-    A bucket with nothing measured at or below a width borrows the nearest bucket that has it,
-    shorter contexts first (their figures are the lower, optimistic ones: a width gets tried and
-    measured in its own bucket instead of never being drafted there).
+    A bucket with nothing measured at or below a width borrows the nearest shorter bucket that has
+    it, else takes the prior: both are optimistic, so the width gets tried and measured in its own
+    bucket. A longer context's figure would be pessimistic, and a width never drafted there would
+    never be measured.
     """
 
     window: int = 31
@@ -61,7 +64,7 @@ class StepCosts:
     min_samples: int = 3
     """Unexpired samples a width needs before its own median replaces the extrapolation."""
     horizon: int = 512
-    """Steps (of any width) after which a sample of a wider step expires."""
+    """Steps (of any width) in its bucket after which a sample of a wider step expires."""
 
     def __init__(self) -> None:
         self._single: dict[tuple[int, int], deque[float]] = {}
@@ -72,7 +75,8 @@ class StepCosts:
         """Per batch size, the buckets with any ratio sample, ascending."""
         self._orders: dict[tuple[int, int], list[int]] = {}
         """Per (batch, bucket), :meth:`_bucket_order`'s answer until a bucket is added."""
-        self._steps = 0
+        self._steps: dict[tuple[int, int], int] = {}
+        """Per (batch, bucket), the steps recorded there (the clock of its samples' expiry)."""
         self._medians: dict[tuple[int, int, int], tuple[float, float | None]] = {}
         """Per (batch, bucket, width), the last :meth:`_measured` answer until a sample arrives: (step
         at which its oldest sample expires, median). Every step asks for every width, and a median
@@ -81,8 +85,8 @@ class StepCosts:
     def record(self, batch: int, width: int, seconds: float, context: int = 0) -> None:
         """One step over ``batch`` rows of ``width`` tokens, after ``context`` cached tokens (the
         longest row's), took ``seconds``."""
-        self._steps += 1
         bucket = context_bucket(context)
+        now = self._steps[batch, bucket] = self._steps.get((batch, bucket), 0) + 1
         if width <= 1:
             self._single.setdefault((batch, bucket), deque(maxlen=self.window)).append(seconds)
             return
@@ -100,7 +104,7 @@ class StepCosts:
                     known.append(bucket)
                     known.sort()
                     self._orders.clear()
-            samples.append((self._steps, seconds / base))
+            samples.append((now, seconds / base))
             self._medians.pop(key, None)
 
     def _measured(self, batch: int, bucket: int, width: int) -> float | None:
@@ -109,10 +113,11 @@ class StepCosts:
         samples = self._ratios.get(key)
         if not samples:
             return None
+        now = self._steps.get((batch, bucket), 0)
         cached = self._medians.get(key)
-        if cached is not None and self._steps < cached[0]:
+        if cached is not None and now < cached[0]:
             return cached[1]
-        recent = [(step, r) for step, r in samples if step > self._steps - self.horizon]
+        recent = [(step, r) for step, r in samples if step > now - self.horizon]
         value = statistics.median(r for _, r in recent) if len(recent) >= self.min_samples else None
         # Valid until a new sample arrives or the oldest one used expires (None: until a new sample).
         expires = recent[0][0] + self.horizon if recent and value is not None else float("inf")
@@ -134,15 +139,13 @@ class StepCosts:
         return None
 
     def _bucket_order(self, batch: int, context: int) -> list[int]:
-        """The buckets to read a ratio from: the context's own, then shorter ones nearest first,
-        then longer ones nearest first (only those with samples). Kept until a bucket is added."""
+        """The buckets to read a ratio from: the context's own, then shorter ones with samples,
+        nearest first. Kept until a bucket is added."""
         home = context_bucket(context)
         order = self._orders.get((batch, home))
         if order is None:
             known = self._buckets.get(batch, [])
-            below = [b for b in reversed(known) if b < home]
-            above = [b for b in known if b > home]
-            order = self._orders[batch, home] = [home, *below, *above]
+            order = self._orders[batch, home] = [home, *(b for b in reversed(known) if b < home)]
         return order
 
     def ratio(self, width: int, batch: int = 1, context: int = 0) -> float:
@@ -151,7 +154,7 @@ class StepCosts:
 
         An unmeasured width extrapolates the widest measured one below it at that width's own cost
         per extra token (at least the prior's); with nothing measured in the context's bucket, the
-        nearest bucket's figure (see the class); with nothing measured at all, the prior.
+        nearest shorter bucket's figure (see the class); with nothing there either, the prior.
         """
         if width <= 1:
             return 1.0
