@@ -323,8 +323,8 @@ class Engine:
         gave alternatives and the step can verify a tree (all rows greedy, a target that takes
         ``offsets``), the alternatives chosen per row (``(i, s)`` pairs, see
         :func:`~verispec.costs.best_tree`), else None; costs are read at ``context`` cached tokens
-        (the longest row's). A row whose k was 0 when it joined
-        (speculation off, or capped by a batch policy) starts its drafter here.
+        (the longest row's). A row whose k was 0 when it joined (speculation off, or capped by a
+        batch policy) starts its drafter here.
         """
         assert self.proposer is not None
         rows = [i for i, k in enumerate(ks.tolist()) if k > 0]
@@ -431,10 +431,9 @@ class Engine:
     ) -> torch.Tensor:
         """Cut each row's draft (``accept_probs`` ``[n, k]``, ``num_draft`` ``[n]``) to the length
         with the most expected tokens per unit of this target's measured step cost at ``context``
-        cached tokens; 0 where no draft
-        pays for its verification. ``sampled``: the drafter drew its tokens (it gave distributions);
-        its sampling rows are then cut by a stopping rule, without looking ahead
-        (:func:`~verispec.costs.best_draft_length`).
+        cached tokens; 0 where no draft pays for its verification. ``sampled``: the drafter drew its
+        tokens (it gave distributions); its sampling rows are then cut by a stopping rule, without
+        looking ahead (:func:`~verispec.costs.best_draft_length`).
 
         A sampled request with a seed is cut by the prior cost curve instead: measured times differ
         from run to run, and a different draft length consumes its random numbers differently, so
