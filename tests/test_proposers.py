@@ -55,6 +55,7 @@ def test_propose_pads_rows_and_reports_lengths() -> None:
         dict(prior=(0.5,)),
         dict(prior=(1.5,) * 8),
         dict(prior_weight=0),
+        dict(vote_below=-1),
     ],
 )
 def test_bad_settings_are_refused(bad: dict) -> None:

@@ -381,6 +381,8 @@ class PromptLookup:
             raise ValueError(f"prior needs {len(LOOKUP_BUCKETS)} probabilities, one per match-length bucket")
         if prior_weight <= 0:
             raise ValueError("prior_weight must be > 0")
+        if vote_below < 0:
+            raise ValueError("vote_below must be >= 0")
         self.max_ngram = max_ngram
         """Longest match searched for (longer matches count as this long)."""
         self.min_ngram = min_ngram
