@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -75,20 +77,31 @@ def _naive_match(seq: list[int], max_ngram: int) -> tuple[int, int]:
     return (start, best) if best else (0, 0)
 
 
-def test_match_is_the_longest_most_recent_earlier_occurrence() -> None:
-    rng = np.random.default_rng(3)
-    for _ in range(3000):
+def _random_sequences(seed: int, count: int = 3000) -> Iterator[np.ndarray]:
+    """Token sequences ``[n]`` over small vocabularies, 30% of them periodic text (many candidates,
+    long matches)."""
+    rng = np.random.default_rng(seed)
+    for _ in range(count):
         n, vocab = int(rng.integers(1, 120)), int(rng.integers(1, 6))
         seq = rng.integers(0, vocab, n)
-        if rng.random() < 0.3:  # periodic text: many candidates, long matches
+        if rng.random() < 0.3:
             seq = np.tile(seq[: max(1, n // 6)], 8)[:n]
+        yield seq
+
+
+def _assert_both_searches_find(pl: PromptLookup, seq: np.ndarray, expected: tuple[int, int]) -> None:
+    """The numpy search and the one on Python ints (for few candidates) both find ``expected``."""
+    assert pl.match(seq) == expected
+    toks = seq.tolist()
+    ends = [i for i in range(len(toks) - 1) if toks[i] == toks[-1]]
+    assert pl._match_among(toks, ends) == expected
+
+
+def test_match_is_the_longest_most_recent_earlier_occurrence() -> None:
+    rng = np.random.default_rng(3)
+    for seq in _random_sequences(3):
         pl = PromptLookup(max_ngram=int(rng.integers(1, 40)), vote_below=0)
-        expected = _naive_match(seq.tolist(), pl.max_ngram)
-        assert pl.match(seq) == expected
-        # The search on Python ints, for few candidates, finds the same match.
-        toks = seq.tolist()
-        ends = [i for i in range(len(toks) - 1) if toks[i] == toks[-1]]
-        assert pl._match_among(toks, ends) == expected
+        _assert_both_searches_find(pl, seq, _naive_match(seq.tolist(), pl.max_ngram))
 
 
 def _naive_vote(seq: list[int], max_ngram: int, below: int) -> tuple[int, int]:
@@ -124,18 +137,10 @@ def test_short_matches_copy_their_most_common_continuation() -> None:
     seq = [5, 1, 9, 5, 1, 8, 5, 1, 8, 2, 5, 1]  # "5 1" is 2 tokens long: the most recent, not the vote
     assert PromptLookup().match(np.array(seq)) == (8, 2)
     rng = np.random.default_rng(4)
-    for _ in range(3000):
-        n, vocab = int(rng.integers(1, 120)), int(rng.integers(1, 6))
-        seq = rng.integers(0, vocab, n)
-        if rng.random() < 0.3:  # periodic text: many candidates, long matches
-            seq = np.tile(seq[: max(1, n // 6)], 8)[:n]
+    for seq in _random_sequences(4):
         below = int(rng.choice([0, 2, 3, 10**9]))
         pl = PromptLookup(max_ngram=int(rng.integers(1, 40)), vote_below=below)
-        expected = _naive_vote(seq.tolist(), pl.max_ngram, below)
-        assert pl.match(seq) == expected
-        toks = seq.tolist()
-        ends = [i for i in range(len(toks) - 1) if toks[i] == toks[-1]]
-        assert pl._match_among(toks, ends) == expected
+        _assert_both_searches_find(pl, seq, _naive_vote(seq.tolist(), pl.max_ngram, below))
 
 
 @pytest.mark.parametrize("few", [-1, 10**9, 3])
