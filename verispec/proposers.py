@@ -288,13 +288,16 @@ raised the decode speedup on summarization 1.297 -> 1.343 and 1.227 -> 1.256 (qu
 1.434 -> 1.444. Voting at every match length gained no more."""
 
 
-def _most_common_latest(tokens: np.ndarray) -> int:
-    """Index into ``tokens`` ``[T]`` (oldest first) of the latest occurrence of the most common
-    token; among equally common tokens, the one that occurred latest."""
-    values, inverse, counts = np.unique(tokens, return_inverse=True, return_counts=True)
-    latest = np.zeros(values.size, dtype=np.int64)
-    np.maximum.at(latest, inverse, np.arange(tokens.size))
-    return int(latest[np.lexsort((latest, counts))[-1]])
+def _most_common_latest(tokens: Sequence[int]) -> int:
+    """Index into ``tokens`` (oldest first) of the latest occurrence of the most common token; among
+    equally common tokens, the one that occurred latest. On Python ints: a handful of tokens per
+    call, where numpy's unique and scatter took 40 us against 3-12 here."""
+    count: dict[int, int] = {}
+    latest: dict[int, int] = {}
+    for i, t in enumerate(tokens):
+        count[t] = count.get(t, 0) + 1
+        latest[t] = i
+    return latest[max(count, key=lambda t: (count[t], latest[t]))]
 
 
 def lookup_bucket(length: int) -> int:
@@ -494,7 +497,7 @@ class PromptLookup:
         if lengths[last] < self.vote_below:
             tied = np.flatnonzero(lengths == lengths[last])  # [T] the longest, ascending
             if tied.size > 1:
-                last = int(tied[_most_common_latest(a[ends[tied] + 1])])
+                last = int(tied[_most_common_latest(a[ends[tied] + 1].tolist())])
         return int(ends[last]) + 1, int(lengths[last])
 
     def _match_among(self, toks: list[int], ends: list[int]) -> tuple[int, int]:
@@ -515,7 +518,7 @@ class PromptLookup:
             elif length == best and best < self.vote_below:
                 tied.append(end)
         if len(tied) > 1 and best < self.vote_below:
-            nxt = np.asarray([toks[e + 1] for e in reversed(tied)])  # oldest first
+            nxt = [toks[e + 1] for e in reversed(tied)]  # oldest first
             start = tied[len(tied) - 1 - _most_common_latest(nxt)] + 1
         return start, best
 
