@@ -71,10 +71,9 @@ class StepCosts:
         """Per (batch, bucket), the recent one-token step times."""
         self._ratios: dict[tuple[int, int, int], deque[tuple[int, float]]] = {}
         """Per (batch, bucket, width), the recent (step, ratio) samples."""
-        self._buckets: dict[int, list[int]] = {}
-        """Per batch size, the buckets with any ratio sample, ascending."""
         self._orders: dict[tuple[int, int], list[int]] = {}
-        """Per (batch, bucket), :meth:`_bucket_order`'s answer until a bucket is added."""
+        """Per (batch, bucket), :meth:`_bucket_order`'s answer until a width or bucket is first
+        sampled."""
         self._steps: dict[tuple[int, int], int] = {}
         """Per (batch, bucket), the steps recorded there (the clock of its samples' expiry)."""
         self._medians: dict[tuple[int, int, int], tuple[float, float | None]] = {}
@@ -99,11 +98,7 @@ class StepCosts:
             samples = self._ratios.get(key)
             if samples is None:
                 samples = self._ratios[key] = deque(maxlen=self.window)
-                known = self._buckets.setdefault(batch, [])
-                if bucket not in known:
-                    known.append(bucket)
-                    known.sort()
-                    self._orders.clear()
+                self._orders.clear()  # a bucket may have gained its first samples
             samples.append((now, seconds / base))
             self._medians.pop(key, None)
 
@@ -140,12 +135,12 @@ class StepCosts:
 
     def _bucket_order(self, batch: int, context: int) -> list[int]:
         """The buckets to read a ratio from: the context's own, then shorter ones with samples,
-        nearest first. Kept until a bucket is added."""
+        nearest first. Kept until a width or bucket is first sampled."""
         home = context_bucket(context)
         order = self._orders.get((batch, home))
         if order is None:
-            known = self._buckets.get(batch, [])
-            order = self._orders[batch, home] = [home, *(b for b in reversed(known) if b < home)]
+            shorter = {b for (n, b, _) in self._ratios if n == batch and b < home}
+            order = self._orders[batch, home] = [home, *sorted(shorter, reverse=True)]
         return order
 
     def ratio(self, width: int, batch: int = 1, context: int = 0) -> float:
