@@ -520,6 +520,84 @@ def test_float32_weights_keep_float32_prefill() -> None:
     assert FastLlama.from_hf(_llama()).prefill_compute is None
 
 
+def _swiglu_reference(gu: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """``silu(g) * u`` of ``gu`` ``[M, 2I]`` times ``scale``, in float64: ``[M, I]``."""
+    y = gu.double() * (1.0 if scale is None else scale.double())
+    gate, up = y.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@requires_kernel
+@pytest.mark.parametrize("width", [16, 100])  # 100: the scalar tail of I % 8 columns
+@pytest.mark.parametrize("scaled", [False, True])
+def test_kernel_swiglu_is_the_activation_in_one_pass(width: int, scaled: bool) -> None:
+    """The kernel's ``swiglu`` of ``[M, 2I]`` products: ``silu(gate * s) * (up * s)`` in float32,
+    within float32 rounding of the exact value, and in bfloat16 that value rounded as torch rounds
+    (at most one bfloat16 step off, where exp's last bits moved it across a rounding boundary)."""
+    from verispec.models.fast_llama import _load_kernel
+
+    kernel = _load_kernel()
+    gen = torch.Generator().manual_seed(width)
+    gu = torch.randn(37, 2 * width, generator=gen) * 4
+    scale = torch.rand(2 * width, generator=gen) + 0.5 if scaled else None
+    exact = _swiglu_reference(gu, scale)
+    got32 = kernel.swiglu(gu, scale)
+    assert got32.dtype == torch.float32 and got32.shape == (37, width)
+    torch.testing.assert_close(got32.double(), exact, rtol=2e-6, atol=1e-6)
+    gu16 = gu.to(torch.bfloat16)
+    got16 = kernel.swiglu(gu16, scale)
+    want16 = _swiglu_reference(gu16, scale).float().to(torch.bfloat16)
+    assert got16.dtype == torch.bfloat16
+    steps = (got16.view(torch.int16).int() - want16.view(torch.int16).int()).abs()
+    assert int(steps.max()) <= 1 and float((steps > 0).float().mean()) < 0.01
+
+
+@requires_kernel
+def test_kernel_swiglu_rounds_to_bfloat16_as_torch_does() -> None:
+    """Where silu(g) is g itself in float32 (g >= 100: exp(-g) vanishes beside 1), the output is
+    the float32 product g * u, exact for bfloat16 inputs: its rounding to bfloat16 must be torch's
+    bit for bit (to nearest, ties to even, which random 16-bit products hit), and NaN stays NaN."""
+    from verispec.models.fast_llama import _load_kernel
+
+    kernel = _load_kernel()
+    gen = torch.Generator().manual_seed(5)
+    gate = (torch.rand(64, 40, generator=gen) * 1000 + 100).to(torch.bfloat16)
+    up = torch.randn(64, 40, generator=gen).to(torch.bfloat16)
+    got = kernel.swiglu(torch.cat([gate, up], dim=1))
+    want = (gate.float() * up.float()).to(torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    nan = torch.tensor([[float("nan")] * 8 + [1.0] * 8], dtype=torch.bfloat16)
+    assert bool(kernel.swiglu(nan).isnan().all())
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_long_bfloat16_prefill_takes_the_kernels_swiglu(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long prefill in bfloat16 products runs the MLP activation through the kernel's fused
+    ``swiglu`` (one call per layer) and stays close to the eager activation's result."""
+    import verispec.models.fast_llama as fl
+
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(8))
+    fast = FastLlama.from_hf(_qwen2(), dtype=dtype, max_batch_size=2)
+    fast.kernel_prefill_max = {dtype: 16}
+    fast.prefill_compute = torch.bfloat16
+    module = fl._kernel_module
+    calls: list[torch.Tensor] = []
+
+    class Spy:
+        def swiglu(self, gu: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+            calls.append(gu)
+            return module.swiglu(gu, scale)
+
+    monkeypatch.setattr(fl, "_kernel_module", Spy())
+    fused = fast.forward(ids)
+    assert len(calls) == 2 and all(c.dtype == torch.bfloat16 and c.shape[0] == 80 for c in calls)
+    monkeypatch.setattr(fl, "_kernel_module", None)  # the eager activation
+    fast.reset(2)
+    eager = fast.forward(ids)
+    torch.testing.assert_close(fused, eager, rtol=0.02, atol=0.02)
+
+
 def _int16_activation_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, scale: torch.Tensor
 ) -> torch.Tensor:

@@ -198,18 +198,48 @@ def _linear(
     ``x`` may already be in ``compute`` (bfloat16 attention outputs); the result is float32 either
     way.
     """
-    if compute is not None and compute != x.dtype:
-        x = x.to(compute)
-    if weight.dtype != x.dtype:
-        weight = weight.to(x.dtype)
-    if scale is None and x.dtype == torch.float32:
-        return F.linear(x, weight, bias)
-    y = F.linear(x, weight).float()  # widened (a no-op for float32), then times the float32 scale
+    if scale is None and (compute or x.dtype) == torch.float32:
+        return F.linear(x.float(), weight.float(), bias)
+    y = _product(x, weight, compute).float()  # widened (a no-op for float32), then times the scale
     # in place: the same values as the type-promoting y * scale, which took twice as long for a
     # bfloat16 y (1.28 -> 0.63 ms for 769 x 3072 here)
     if scale is not None:
         y.mul_(scale)
     return y if bias is None else y + bias
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor, compute: torch.dtype | None = None) -> torch.Tensor:
+    """``x @ weight.T`` in ``compute`` (default: x's dtype), no scale applied: ``[..., N]`` in that
+    dtype; x ``[..., K]``, weight ``[N, K]`` (converted exactly, as in :func:`_linear`)."""
+    if compute is not None and compute != x.dtype:
+        x = x.to(compute)
+    if weight.dtype != x.dtype:
+        weight = weight.to(x.dtype)
+    return F.linear(x, weight)
+
+
+def _swiglu_linear(
+    x: torch.Tensor,
+    wgu: torch.Tensor,
+    scale: torch.Tensor | None,
+    compute: torch.dtype | None,
+    kernel: Any,
+) -> torch.Tensor:
+    """The SwiGLU MLP's activation ``silu(gate) * up`` of ``gu = x @ wgu.T`` (times ``scale``):
+    x ``[..., hidden]``, wgu ``[2 I, hidden]`` (gate rows, then up rows) -> ``[..., I]``.
+
+    With ``kernel`` (the compiled module) and bfloat16 products, the kernel's ``swiglu`` applies
+    the scale, the activation and the product in one pass over the bfloat16 products and returns
+    them in bfloat16, the next product's input (eager torch made five passes and two float32
+    copies: a long int8 prefill spent about a fifth of its time there). Otherwise the float32
+    result, as :func:`_linear` gives it.
+    """
+    if kernel is not None and compute == torch.bfloat16 and x.device.type == "cpu":
+        gu = _product(x, wgu, compute)  # [..., 2 I] bfloat16
+        flat = kernel.swiglu(gu.reshape(-1, gu.shape[-1]), scale)  # [rows, I] bfloat16
+        return flat.view(*gu.shape[:-1], -1)
+    gate, up = _linear(x, wgu, scale=scale, compute=compute).chunk(2, dim=-1)  # [..., I] each
+    return F.silu(gate) * up
 
 
 _LAYER_MATRICES = ("wqkv", "wo", "wgu", "wdown")
@@ -729,6 +759,7 @@ class FastLlama:
         n, T = ids.shape
         Hq, Hkv, D = self._n_heads, self._n_kv, self._head_dim
         dev = self.device
+        kernel = _kernel_module if self._kernel is not None else None  # its fused SwiGLU
         pos = (starts[:, None] + torch.arange(T)).to(dev)  # [n, T] cache positions
         rope = pos if offsets is None else (starts[:, None] + offsets).to(dev)  # [n, T]
         span = int(starts.max()) + T  # keys any query may see
@@ -780,9 +811,8 @@ class FastLlama:
             att = att.transpose(1, 2).reshape(n, T, Hq * D)
             x = x + _linear(att, layer["wo"], layer["bo"], layer["wo_scale"], compute)
             h = _rms_norm(x, layer["post_norm"], self._eps)
-            gu = _linear(h, layer["wgu"], scale=layer["wgu_scale"], compute=compute)
-            gate, up = gu.chunk(2, dim=-1)  # [n, T, I] each
-            x = x + _linear(F.silu(gate) * up, layer["wdown"], scale=layer["wdown_scale"], compute=compute)
+            act = _swiglu_linear(h, layer["wgu"], layer["wgu_scale"], compute, kernel)  # [n, T, I]
+            x = x + _linear(act, layer["wdown"], scale=layer["wdown_scale"], compute=compute)
         if self._record_hidden:
             self.last_hidden = x.float().cpu()  # [n, T, hidden]
         if logits == "none":
