@@ -571,10 +571,54 @@ def test_kernel_swiglu_rounds_to_bfloat16_as_torch_does() -> None:
 
 
 @requires_kernel
+@pytest.mark.parametrize("hidden", [64, 100])  # 100: the scalar tail of H % 8 columns
+def test_kernel_rmsnorm_bf16_is_the_norm_rounded_once(hidden: int) -> None:
+    """The kernel's ``rmsnorm_bf16``: HF's RMSNorm in float32, rounded to bfloat16 as torch rounds
+    (at most one bfloat16 step from the eager norm's rounding, where the sums' order moved a value
+    across a rounding boundary), never a second rounding."""
+    from verispec.models.fast_llama import _load_kernel, _rms_norm
+
+    kernel = _load_kernel()
+    gen = torch.Generator().manual_seed(hidden)
+    x = torch.randn(53, hidden, generator=gen) * 3
+    weight = torch.randn(hidden, generator=gen)
+    got = kernel.rmsnorm_bf16(x, weight, 1e-5)
+    want = _rms_norm(x, weight, 1e-5).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    steps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+    assert int(steps.max()) <= 1 and float((steps > 0).float().mean()) < 0.01
+
+
+@requires_kernel
+def test_kernel_rope_rows_rotates_the_query_and_key_heads_in_place() -> None:
+    """The kernel's ``rope_rows``: HF's rotate-half rotation of each row's first ``heads`` heads at
+    its own position of the tables, within float32 rounding; the heads after them untouched."""
+    from verispec.models.fast_llama import _load_kernel, _rotate_half
+
+    kernel = _load_kernel()
+    gen = torch.Generator().manual_seed(6)
+    M, D, heads, rest = 11, 16, 5, 2
+    qkv = torch.randn(M, (heads + rest) * D, generator=gen)
+    angles = torch.rand(40, D // 2, generator=gen) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, dim=1), torch.cat([angles.sin()] * 2, dim=1)  # [40, D]
+    pos = torch.randint(0, 40, (M,), generator=gen)
+    heads_view = qkv.view(M, heads + rest, D)
+    want = heads_view[:, :heads] * cos[pos, None] + _rotate_half(heads_view[:, :heads]) * sin[pos, None]
+    untouched = heads_view[:, heads:].clone()
+    kernel.rope_rows(qkv, cos, sin, pos, heads)
+    torch.testing.assert_close(heads_view[:, :heads], want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(heads_view[:, heads:], untouched)
+    with pytest.raises(RuntimeError, match="position"):
+        kernel.rope_rows(qkv, cos, sin, torch.full((M,), 40), heads)
+
+
+@requires_kernel
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
-def test_long_bfloat16_prefill_takes_the_kernels_swiglu(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A long prefill in bfloat16 products runs the MLP activation through the kernel's fused
-    ``swiglu`` (one call per layer) and stays close to the eager activation's result."""
+def test_long_bfloat16_prefill_takes_the_kernels_fused_ops(
+    dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long prefill in bfloat16 products runs its norms, rotary embeddings and MLP activation
+    through the kernel's fused ops and stays close to eager torch's result."""
     import verispec.models.fast_llama as fl
 
     ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(8))
@@ -589,9 +633,20 @@ def test_long_bfloat16_prefill_takes_the_kernels_swiglu(dtype: str, monkeypatch:
             calls.append(gu)
             return module.swiglu(gu, scale)
 
+        def rmsnorm_bf16(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+            norms.append(x)
+            return module.rmsnorm_bf16(x, weight, eps)
+
+        def rope_rows(self, qkv: torch.Tensor, *args: object) -> None:
+            ropes.append(qkv)
+            module.rope_rows(qkv, *args)
+
+    norms: list[torch.Tensor] = []
+    ropes: list[torch.Tensor] = []
     monkeypatch.setattr(fl, "_kernel_module", Spy())
     fused = fast.forward(ids)
     assert len(calls) == 2 and all(c.dtype == torch.bfloat16 and c.shape[0] == 80 for c in calls)
+    assert len(norms) == 4 and len(ropes) == 2  # two norms and one rotation per layer
     monkeypatch.setattr(fl, "_kernel_module", None)  # the eager activation
     fast.reset(2)
     eager = fast.forward(ids)

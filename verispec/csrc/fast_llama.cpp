@@ -1098,6 +1098,61 @@ void swiglu_rows(const T* gu, const float* scale, int64_t M, int64_t I, T* out) 
   });
 }
 
+// The torch path's RMSNorm for long prompts with bfloat16 products: rmsnorm()'s float32 arithmetic
+// (HF's order) per row, rounded to bfloat16 as torch rounds: one pass instead of eager torch's six
+// and the narrowing copy. x [M, H] float32, w [H] float32 -> [M, H] bfloat16.
+at::Tensor rmsnorm_bf16_op(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
+              "x must be contiguous float32 [M, H]");
+  const int64_t M = x.size(0), H = x.size(1);
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == H,
+              "weight must be contiguous float32 with ", H, " elements");
+  auto out = at::empty({M, H}, x.options().dtype(at::kBFloat16));
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  bf16* op = reinterpret_cast<bf16*>(out.data_ptr());
+  const float e = static_cast<float>(eps);
+  const int64_t H8 = H - H % 8;
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* xm = xp + m * H;
+      bf16* om = op + m * H;
+      const float r = 1.0f / std::sqrt(sumsq(xm, H) / static_cast<float>(H) + e);
+      const __m256 rv = _mm256_set1_ps(r);
+      for (int64_t k = 0; k < H8; k += 8)
+        store8(om + k, _mm256_mul_ps(_mm256_loadu_ps(wp + k), _mm256_mul_ps(_mm256_loadu_ps(xm + k), rv)));
+      for (int64_t k = H8; k < H; ++k) store1(om + k, wp[k] * (xm[k] * r));
+    }
+  });
+  return out;
+}
+
+// Rotary embeddings in place on the torch path's fused projections: qkv [M, C] float32 holds each
+// row's heads of D values (queries, then keys, then values); the first `heads` of them are rotated
+// as rope() rotates them, at position pos[m] of the tables cos / sin [P, D] float32. One pass
+// instead of eager torch's five per tensor (multiply, halves, negate, concatenate, add).
+void rope_rows_op(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& pos,
+                  int64_t heads) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.scalar_type() == at::kFloat,
+              "qkv must be contiguous float32 [M, C]");
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "cos and sin must be contiguous float32 [P, D]");
+  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.is_contiguous() && pos.numel() == qkv.size(0),
+              "pos must be contiguous int64 [M]");
+  const int64_t M = qkv.size(0), C = qkv.size(1), P = cos.size(0), D = cos.size(1);
+  TORCH_CHECK(D % 2 == 0 && heads >= 0 && heads * D <= C, "heads * D must fit in a row");
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) TORCH_CHECK(pp[m] >= 0 && pp[m] < P, "position out of the tables");
+  float* q = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t h = 0; h < heads; ++h) rope(q + m * C + h * D, cp + pp[m] * D, sp + pp[m] * D, D);
+  });
+}
+
 // The MLP's activation for the torch path's long prompts: [M, 2I] products (bfloat16 or float32,
 // int8 weights' scales not yet applied) -> [M, I] in the same dtype, in one pass instead of
 // eager torch's five (widen, scale, silu, multiply, narrow); see swiglu_rows.
@@ -1629,4 +1684,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("bias"), pybind11::arg("scale"), pybind11::arg("paired") = false);
   m.def("swiglu", &swiglu_op, pybind11::arg("gu"), pybind11::arg("scale") = std::nullopt,
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("rmsnorm_bf16", &rmsnorm_bf16_op, pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("rope_rows", &rope_rows_op, pybind11::arg("qkv"), pybind11::arg("cos"), pybind11::arg("sin"),
+        pybind11::arg("pos"), pybind11::arg("heads"), pybind11::call_guard<pybind11::gil_scoped_release>());
 }
