@@ -1071,11 +1071,13 @@ inline void store1(float* p, float v) { *p = v; }
 
 // out[m, k] = silu(g) * u with g = gu[m, k] * scale[k], u = gu[m, I + k] * scale[I + k] (no scale:
 // 1), computed in float32 (exp8 on whole groups of 8 columns, std::exp on the last I % 8) and
-// stored in T, rows split over the threads. gu: [M, 2I] (gate, then up) in T.
+// stored in T, rows split over the threads (one row each at least: a decoding step has a few).
+// gu: [M, 2I] (gate, then up) in T. Both the kernel's own forward and the torch path's long
+// prompts use it.
 template <typename T>
 void swiglu_rows(const T* gu, const float* scale, int64_t M, int64_t I, T* out) {
   const int64_t I8 = I - I % 8;
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       const T* g = gu + m * 2 * I;
       T* a = out + m * I;
@@ -1570,28 +1572,12 @@ class FastLlamaKernel {
     }
   }
 
-  // act_[m, k] = silu(gate) * up from gu_ [M, 2I] (gate, then up): g / (1 + exp(-g)) * u, with
-  // exp8 on every 8 whole columns and std::exp on the last I % 8 (each element's arithmetic depends
-  // only on its column, so tokens stay independent), rows split over the threads. The scalar expf
+  // act_[m, k] = silu(gate) * up from gu_ [M, 2I] (gate, then up), by swiglu_rows: each element's
+  // arithmetic depends only on its column, so tokens stay independent. (Its exp8: the scalar expf
   // took 0.6-1 ms of a 5-token int8 forward (perf: 4-6% of its samples); on the Xeon, 6 interleaved
   // rounds at 200 cached tokens, ms: int8 1 / 5 / 9 tokens 11.2 / 15.9 / 25.4 -> 11.0 / 14.8 / 24.0,
-  // float32 24.9 / 26.1 / 29.9 -> 24.0 / 26.6 / 28.6.
-  void swiglu(int64_t M, int64_t I) {
-    const int64_t I8 = I - I % 8;
-    at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; ++m) {
-        const float* g = gu_.data() + m * 2 * I;
-        float* a = act_.data() + m * I;
-        for (int64_t k = 0; k < I8; k += 8) {
-          const __m256 gv = _mm256_loadu_ps(g + k);
-          const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-          const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-          _mm256_storeu_ps(a + k, _mm256_mul_ps(s, _mm256_loadu_ps(g + I + k)));
-        }
-        for (int64_t k = I8; k < I; ++k) a[k] = g[k] / (1.0f + std::exp(-g[k])) * g[I + k];
-      }
-    });
-  }
+  // float32 24.9 / 26.1 / 29.9 -> 24.0 / 26.6 / 28.6.)
+  void swiglu(int64_t M, int64_t I) { swiglu_rows<float>(gu_.data(), nullptr, M, I, act_.data()); }
 
   // Causal attention of each token over its own row's cache positions 0 .. ctx - 1, then itself
   // (at pos; ctx = pos but in trees); no other key (other drafts, stale rejected tokens) is ever
