@@ -202,7 +202,7 @@ def _linear(
     way.
     """
     if scale is None and (compute or x.dtype) == torch.float32:
-        return F.linear(x.float(), weight.float(), bias)
+        return _product(x, weight, compute, bias)  # the bias added by the product itself
     y = _product(x, weight, compute).float()  # widened (a no-op for float32), then times the scale
     # in place: the same values as the type-promoting y * scale, which took twice as long for a
     # bfloat16 y (1.28 -> 0.63 ms for 769 x 3072 here)
@@ -211,14 +211,19 @@ def _linear(
     return y if bias is None else y + bias
 
 
-def _product(x: torch.Tensor, weight: torch.Tensor, compute: torch.dtype | None = None) -> torch.Tensor:
-    """``x @ weight.T`` in ``compute`` (default: x's dtype), no scale applied: ``[..., N]`` in that
-    dtype; x ``[..., K]``, weight ``[N, K]`` (converted exactly, as in :func:`_linear`)."""
+def _product(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    compute: torch.dtype | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` in ``compute`` (default: x's dtype), no scale applied: ``[..., N]``
+    in that dtype; x ``[..., K]``, weight ``[N, K]`` (converted exactly, as in :func:`_linear`)."""
     if compute is not None and compute != x.dtype:
         x = x.to(compute)
     if weight.dtype != x.dtype:
         weight = weight.to(x.dtype)
-    return F.linear(x, weight)
+    return F.linear(x, weight, bias)
 
 
 def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernel: Any) -> torch.Tensor:
@@ -779,7 +784,7 @@ class FastLlama:
         # The kernel's fused element-wise ops (norms, rotary embeddings, SwiGLU), for bfloat16
         # products on the CPU; float32 products keep eager torch's ops, which HF's model runs.
         fused = self._kernel is not None and compute == torch.bfloat16 and dev.type == "cpu"
-        kernel = _kernel_module if fused else None
+        kernel = _kernel_module if fused else None  # None: eager torch
         pos = (starts[:, None] + torch.arange(T)).to(dev)  # [n, T] cache positions
         rope = pos if offsets is None else (starts[:, None] + offsets).to(dev)  # [n, T]
         span = int(starts.max()) + T  # keys any query may see
