@@ -105,22 +105,25 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = load_default_model(args.model).float().eval()
-    for length in args.context:
-        context = torch.randint(0, model.config.vocab_size, (1, length))
-        print(f"threads={torch.get_num_threads()} context={length} runs={args.runs} (median ms)")
-        rows: list[tuple[str, list[tuple[float, float]]]] = []
-        if not args.no_hf:
-            rows.append(("hf-eager float32", bench_hf(model, context, args.tokens, args.runs)))
-        for dtype in args.dtypes:
-            for use_kernel in (True, False)[: 1 if args.no_torch else 2]:
-                fast = FastLlama.from_hf(model, dtype=dtype, max_length=4096, use_kernel=use_kernel)
-                if use_kernel and not fast.uses_kernel:
-                    continue
-                name = f"fast {dtype} {'kernel' if use_kernel else 'torch'}"
-                rows.append((name, bench_fast(fast, context, args.tokens, args.runs)))
-                print(f"{name}: {fast.weight_bytes() / 1e6:.0f} MB of weights per forward", flush=True)
-                del fast
-        print_rows(rows, args.tokens)
+    contexts = {n: torch.randint(0, model.config.vocab_size, (1, n)) for n in args.context}
+    # rows[n]: each variant's timings at n cached tokens; each variant is built once for all n.
+    rows: dict[int, list[tuple[str, list[tuple[float, float]]]]] = {n: [] for n in contexts}
+    if not args.no_hf:
+        for n, context in contexts.items():
+            rows[n].append(("hf-eager float32", bench_hf(model, context, args.tokens, args.runs)))
+    for dtype in args.dtypes:
+        for use_kernel in (True, False)[: 1 if args.no_torch else 2]:
+            fast = FastLlama.from_hf(model, dtype=dtype, max_length=4096, use_kernel=use_kernel)
+            if use_kernel and not fast.uses_kernel:
+                continue
+            name = f"fast {dtype} {'kernel' if use_kernel else 'torch'}"
+            print(f"{name}: {fast.weight_bytes() / 1e6:.0f} MB of weights per forward", flush=True)
+            for n, context in contexts.items():
+                rows[n].append((name, bench_fast(fast, context, args.tokens, args.runs)))
+            del fast
+    for n, table in rows.items():
+        print(f"threads={torch.get_num_threads()} context={n} runs={args.runs} (median ms)")
+        print_rows(table, args.tokens)
 
 
 def print_rows(rows: list[tuple[str, list[tuple[float, float]]]], tokens: list[int]) -> None:
