@@ -629,6 +629,9 @@ def test_long_bfloat16_prefill_takes_the_kernels_fused_ops(
     calls: list[torch.Tensor] = []
 
     class Spy:
+        def __getattr__(self, name: str) -> object:  # the kernel's other functions, unwatched
+            return getattr(module, name)
+
         def swiglu(self, gu: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
             calls.append(gu)
             return module.swiglu(gu, scale)
@@ -651,6 +654,75 @@ def test_long_bfloat16_prefill_takes_the_kernels_fused_ops(
     fast.reset(2)
     eager = fast.forward(ids)
     torch.testing.assert_close(fused, eager, rtol=0.02, atol=0.02)
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("shape", [(6, 32), (10, 48)])
+def test_kernel_rows_from_pairs_undoes_the_interleaving(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    """The kernel's ``rows_from_pairs`` is the exact inverse of ``_interleave_pairs`` (what
+    ``_plain_rows`` reads), and widens int8 to bfloat16 exactly on request; it refuses a matrix
+    that cannot be paired and rounding float32."""
+    from verispec.models.fast_llama import _interleave_pairs, _load_kernel
+
+    kernel = _load_kernel()
+    gen = torch.Generator().manual_seed(9)
+    if dtype == torch.int8:
+        rows = torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8)
+    else:
+        rows = torch.randn(shape, generator=gen).to(dtype)
+    paired = rows.clone()
+    _interleave_pairs(paired)
+    assert not torch.equal(paired, rows)
+    got = kernel.rows_from_pairs(paired)
+    assert got.dtype == dtype and torch.equal(got, rows)
+    if dtype == torch.int8:
+        widened = kernel.rows_from_pairs(paired, to_bf16=True)
+        assert widened.dtype == torch.bfloat16 and torch.equal(widened, rows.to(torch.bfloat16))
+    else:
+        with pytest.raises(RuntimeError, match="pair"):
+            kernel.rows_from_pairs(rows[:, :-1].contiguous())  # not whole chunks
+    with pytest.raises(RuntimeError, match="pair"):
+        kernel.rows_from_pairs(rows[:-1].contiguous())  # an odd number of rows
+    if dtype == torch.float32:
+        with pytest.raises(RuntimeError, match="float32"):
+            kernel.rows_from_pairs(paired, to_bf16=True)
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+@pytest.mark.parametrize("compute", [None, torch.bfloat16])
+def test_long_prefill_reads_paired_matrices_through_the_kernel(
+    dtype: str, compute: torch.dtype | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long prefill on paired weights takes each matrix's rows from the kernel's
+    ``rows_from_pairs`` (int8 widened there when the products run in bfloat16), and its logits are
+    bitwise those of eager torch's row copy."""
+    import verispec.models.fast_llama as fl
+
+    if dtype == "float32" and compute is not None:
+        pytest.skip("float32 weights keep float32 products")
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(10))
+    fast = FastLlama.from_hf(_qwen2(), dtype=dtype, max_batch_size=2, use_kernel=True)
+    assert fast._w.get("paired")
+    fast.kernel_prefill_max = {dtype: 16}
+    fast.prefill_compute = compute
+    module = fl._kernel_module
+    original = module.rows_from_pairs
+    widened: list[bool] = []
+
+    def spy(w: torch.Tensor, to_bf16: bool = False) -> torch.Tensor:
+        widened.append(to_bf16)
+        return original(w, to_bf16=to_bf16)
+
+    monkeypatch.setattr(module, "rows_from_pairs", spy, raising=False)
+    got = fast.forward(ids)
+    pairable = sum(_pairs_ok(lw[m]) for lw in fast._w["layers"] for m in ("wqkv", "wo", "wgu", "wdown"))
+    assert pairable and len(widened) == pairable + int(_pairs_ok(fast._w["head"]))
+    assert all(widened) == (dtype == "int8" and compute == torch.bfloat16) and any(widened) == all(widened)
+    monkeypatch.setattr(fl, "_rows_for", lambda w, paired, compute, kernel: fl._as_rows(w, paired))
+    fast.reset(2)
+    assert torch.equal(fast.forward(ids), got)
 
 
 def _int16_activation_linear(

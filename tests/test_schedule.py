@@ -8,7 +8,7 @@ import pytest
 
 from verispec.config import ConfigError
 from verispec.models import schedule
-from verispec.models.schedule import DEFAULT, SCHEDULES, faster
+from verispec.models.schedule import DEFAULT, PREFILL_KEY, SCHEDULES, faster
 
 
 def test_faster_keeps_the_default_unless_another_wins_clearly() -> None:
@@ -132,7 +132,7 @@ def test_apply_prefill_measures_once_per_machine_and_format(prefill_timed, tmp_p
     assert schedule.apply_prefill(model) == 128
     assert model.kernel_prefill_max == {"float32": 96, "int8": 128}  # only its own format
     cached = json.loads((tmp_path / "kernel_schedule.json").read_text())
-    assert list(cached.values()) == [128] and next(iter(cached)).startswith("prefill|")
+    assert list(cached.values()) == [128] and next(iter(cached)).startswith(PREFILL_KEY)
     again = _Model(model.size)
     assert schedule.apply_prefill(again) == 128 and len(prefill_timed) == 1
     assert schedule.apply_prefill(_Model(model.size + 1)) == 128 and len(prefill_timed) == 2

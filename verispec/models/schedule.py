@@ -57,6 +57,10 @@ PREFILL_ENV = "VERISPEC_KERNEL_PREFILL_MAX"
 PREFILL_SIZES = (64, 160)
 """Prompt lengths :func:`measure_prefill` times: short chat prompts and the long end of the range
 where the two paths are close."""
+PREFILL_KEY = "prefill-v2|"
+"""Prefix of the cached crossings' keys, changed whenever either path's cost changes so that every
+machine measures again: v2 since the torch path copies paired matrices in the kernel (session 17;
+SmolLM2-135M's layers, float32 65 -> 45 ms, int8 to bfloat16 45 -> 19 ms)."""
 PREFILL_LIMITS = (16, 512)
 """The crossing :func:`prefill_crossing` returns lies in this range: below the kernel's own call
 size a prompt is one kernel call anyway, and far past the measured lengths a line is a guess."""
@@ -244,7 +248,7 @@ def apply_prefill(model: Any) -> int:
         value = model.kernel_prefill_max.get(model.dtype, 0)
     else:
         value = _cached(
-            "prefill|" + _key(model),
+            PREFILL_KEY + _key(model),
             lambda v: isinstance(v, int) and v >= 0,
             lambda: prefill_crossing(measure_prefill(model)),
         )
