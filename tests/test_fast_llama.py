@@ -138,16 +138,28 @@ def test_long_prefill_last_logits_match_hf(use_kernel: bool, pair: bool) -> None
 @requires_kernel
 @pytest.mark.parametrize("dtype", ["float32", "int8"])
 def test_short_prefill_in_kernel_pieces_is_bitwise_the_kernel_one_token_at_a_time(dtype: str) -> None:
+    """A prompt the kernel takes in pieces of ``kernel_prefill_piece`` tokens gives bitwise the
+    logits of feeding it one token at a time."""
     hf = _llama()
-    ids = torch.randint(0, VOCAB, (2, 29), generator=torch.Generator().manual_seed(5))
+    T = 70
+    ids = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(5))
     fast = FastLlama.from_hf(hf, max_batch_size=2, dtype=dtype, use_kernel=True)
-    assert fast.kernel_max_tokens < 29 <= fast.kernel_prefill_max[dtype]  # the pieces path
+    assert fast.kernel_max_tokens < fast.kernel_prefill_piece < T <= fast.kernel_prefill_max[dtype]
+    widths: list[int] = []
+    kernel_forward = fast._forward_kernel
+
+    def spy(ids: torch.Tensor, *args: object) -> torch.Tensor | None:
+        widths.append(ids.shape[1])
+        return kernel_forward(ids, *args)
+
+    fast._forward_kernel = spy  # type: ignore[method-assign]
     fast.record_hidden = True
     pieces = fast.forward(ids)
+    assert widths == [fast.kernel_prefill_piece, T - fast.kernel_prefill_piece]
     hidden = fast.last_hidden
-    assert hidden.shape == (2, 29, 64)
+    assert hidden.shape == (2, T, 64)
     fast.reset(2)
-    steps = torch.cat([fast.forward(ids[:, t : t + 1]) for t in range(29)], dim=1)
+    steps = torch.cat([fast.forward(ids[:, t : t + 1]) for t in range(T)], dim=1)
     assert torch.equal(pieces, steps)
     fast.reset(2)
     last = fast.forward(ids, logits="last")

@@ -10,7 +10,9 @@ Two paths run the same model on the same preallocated caches:
 
 * the **kernel** path (``verispec/csrc/fast_llama.cpp``, AVX2/FMA, compiled at first use) runs the
   whole forward in one C++ call. It is used for calls of at most ``kernel_max_tokens`` new tokens
-  per row: decoding and draft verification, where the cost is reading the weights once.
+  per row: decoding and draft verification, where the cost is reading the weights once; and for
+  prompts up to a length measured per machine (``kernel_prefill_max``), in pieces of
+  ``kernel_prefill_piece`` tokens, each reading the weights once.
 * the **torch** path (matmuls and ``scaled_dot_product_attention``) is used for long prefills,
   which are compute-bound, on non-CPU devices, and as the fallback when the kernel cannot be built
   (no compiler, no AVX2, or ``VERISPEC_NO_KERNEL=1``). With bfloat16 or int8 weights, long
@@ -359,9 +361,17 @@ class FastLlama:
     """Longer torch-path calls are split into chunks of this many tokens to bound activations
     (2048 tokens: about 25 MB in the widest one). A prompt in one chunk gets the causal attention
     that skips the masked half; later chunks need an explicit mask."""
+    kernel_prefill_piece: int = 64
+    """Longer calls that still run on the kernel (up to ``kernel_prefill_max``) go in pieces of this
+    many tokens per row. Each piece reads every weight once, so pieces of ``kernel_max_tokens`` (16)
+    left a float32 prompt bound by memory. Measured on the Xeon (session 17, SmolLM2-135M, min of 4,
+    ms, pieces of 16 / 64, torch path beside): float32 64 tokens 138 / 99 (234), 128 321 / 188
+    (323), 192 505 / 404 (466), 256 - / 474 (535), 384 - / 750 (761); int8 64 98 / 90 (111), 128
+    191 / 172 (161). Larger pieces gained nothing more (128 tokens in one piece: 197). The kernel's
+    logits do not depend on how many tokens share a call, so they are bitwise the same."""
     kernel_prefill_max: dict[str, int] = {"float32": 96, "bfloat16": 96, "int8": 96}
     """Calls up to this many tokens per row (by weight format) still run on the kernel, in pieces of
-    ``kernel_max_tokens``: below it the torch path's fixed costs (widening bfloat16/int8 weights to a
+    ``kernel_prefill_piece``: below it the torch path's fixed costs (widening bfloat16/int8 weights to a
     float32 copy, small-GEMM overheads) exceed the kernel's. These defaults are the 2-core EPYC's
     (session 4, min of 3, kernel against torch, ms): float32 48 tokens 105 / 140, 64 201 / 200, 96
     250 / 272, 128 348 / 326, 256 676 / 548; int8 96 255 / 386, 128 354 / 344; bfloat16 96 253 /
@@ -663,7 +673,7 @@ class FastLlama:
         elif self._kernel is not None and T <= self.kernel_max_tokens:
             out = self._forward_kernel(ids, idx, starts, logits)
         elif self._kernel is not None and T <= self.kernel_prefill_max.get(self.dtype, 0):
-            out = self._in_pieces(self._forward_kernel, self.kernel_max_tokens, ids, idx, starts, logits)
+            out = self._in_pieces(self._forward_kernel, self.kernel_prefill_piece, ids, idx, starts, logits)
         else:
             compute = self.prefill_compute if T > self.kernel_prefill_max.get(self.dtype, 0) else None
             torch_path = functools.partial(self._forward_torch, compute=compute)

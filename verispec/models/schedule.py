@@ -16,14 +16,16 @@ size in ``<cache>/kernel_schedule.json``, so the measurement runs once per machi
 ``VERISPEC_KERNEL_SCHEDULE`` (``one-stream``, ``two-stream`` or ``auto``) overrides it.
 
 The same goes for how long a prompt the kernel still takes (``FastLlama.kernel_prefill_max``): it
-runs a prompt in pieces of 16 tokens, each reading all the weights, where the torch path runs one
-large product per matrix at a fixed cost (float32: a row-major copy of the paired matrices;
+runs a prompt in pieces (``FastLlama.kernel_prefill_piece``: 64 tokens since session 17, 16
+before), each reading all the weights, where the torch path runs one large product per matrix at a
+fixed cost (float32: a row-major copy of the paired matrices;
 bfloat16 and int8: a float32 or bfloat16 copy). Where they cross depends on the CPU (session 13,
 the Xeon, min of 5, kernel / torch ms): float32 128 tokens 249 / 272, 192 381 / 377; int8 96 115 /
 148, 128 161 / 149; bfloat16, whose torch path runs on AMX, 64 135 / 100. The session-4 EPYC
-crossed near 64-96 for all three. :func:`apply_prefill` times both paths at two prompt lengths and
-puts the crossing where the two lines meet, cached like the schedule; ``VERISPEC_KERNEL_PREFILL_MAX``
-(a number of tokens, or ``auto``) overrides it.
+crossed near 64-96 for all three. With pieces of 64 (session 17, the Xeon, min of 4): float32
+128 tokens 188 / 323, 256 474 / 535, 384 750 / 761; int8 128 172 / 161. :func:`apply_prefill`
+times both paths at two prompt lengths and puts the crossing where the two lines meet, cached like
+the schedule; ``VERISPEC_KERNEL_PREFILL_MAX`` (a number of tokens, or ``auto``) overrides it.
 """
 
 from __future__ import annotations
@@ -54,13 +56,14 @@ DEFAULT = "one-stream"
 
 ENV = "VERISPEC_KERNEL_SCHEDULE"
 PREFILL_ENV = "VERISPEC_KERNEL_PREFILL_MAX"
-PREFILL_SIZES = (64, 160)
+PREFILL_SIZES = (64, 256)
 """Prompt lengths :func:`measure_prefill` times: short chat prompts and the long end of the range
-where the two paths are close."""
-PREFILL_KEY = "prefill-v2|"
+where the two paths are close (160 until session 17, when float32 crossed near 400 tokens)."""
+PREFILL_KEY = "prefill-v3|"
 """Prefix of the cached crossings' keys, changed whenever either path's cost changes so that every
-machine measures again: v2 since the torch path copies paired matrices in the kernel (session 17;
-SmolLM2-135M's layers, float32 65 -> 45 ms, int8 to bfloat16 45 -> 19 ms)."""
+machine measures again. v3 (session 17): the torch path copies paired matrices in the kernel
+(SmolLM2-135M's layers, float32 65 -> 45 ms, int8 to bfloat16 45 -> 19 ms), and the kernel takes
+prompts in pieces of 64 tokens instead of 16 (float32 128 tokens 321 -> 188 ms)."""
 PREFILL_LIMITS = (16, 512)
 """The crossing :func:`prefill_crossing` returns lies in this range: below the kernel's own call
 size a prompt is one kernel call anyway, and far past the measured lengths a line is a guess."""
