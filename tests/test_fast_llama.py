@@ -696,6 +696,12 @@ def test_kernel_rows_from_pairs_undoes_the_interleaving(dtype: torch.dtype, shap
             kernel.rows_from_pairs(rows[:, :-1].contiguous())  # not whole chunks
     with pytest.raises(RuntimeError, match="pair"):
         kernel.rows_from_pairs(rows[:-1].contiguous())  # an odd number of rows
+    buffer = torch.full((shape[0] * shape[1] + 5,), 3, dtype=dtype)  # larger than needed
+    into = kernel.rows_from_pairs(paired, into=buffer)
+    assert into.data_ptr() == buffer.data_ptr() and torch.equal(into, rows)
+    assert torch.equal(buffer[-5:], torch.full((5,), 3, dtype=dtype))  # nothing written past it
+    with pytest.raises(RuntimeError, match="into"):
+        kernel.rows_from_pairs(paired, into=buffer[:-6])  # too small
     if dtype == torch.float32:
         with pytest.raises(RuntimeError, match="float32"):
             kernel.rows_from_pairs(paired, to_bf16=True)
@@ -722,17 +728,28 @@ def test_long_prefill_reads_paired_matrices_through_the_kernel(
     module = fl._kernel_module
     original = module.rows_from_pairs
     widened: list[bool] = []
+    buffers: list[int | None] = []
 
-    def spy(w: torch.Tensor, to_bf16: bool = False) -> torch.Tensor:
+    def spy(w: torch.Tensor, to_bf16: bool = False, into: torch.Tensor | None = None) -> torch.Tensor:
         widened.append(to_bf16)
-        return original(w, to_bf16=to_bf16)
+        buffers.append(None if into is None else into.data_ptr())
+        return original(w, to_bf16=to_bf16, into=into)
 
     monkeypatch.setattr(module, "rows_from_pairs", spy, raising=False)
     got = fast.forward(ids)
-    pairable = sum(_pairs_ok(lw[m]) for lw in fast._w["layers"] for m in ("wqkv", "wo", "wgu", "wdown"))
+    mats = [lw[m] for lw in fast._w["layers"] for m in ("wqkv", "wo", "wgu", "wdown")]
+    pairable = sum(_pairs_ok(w) for w in mats)
     assert pairable and len(widened) == pairable + int(_pairs_ok(fast._w["head"]))
     assert all(widened) == (dtype == "int8" and compute == torch.bfloat16) and any(widened) == all(widened)
-    monkeypatch.setattr(fl, "_rows_for", lambda w, paired, compute, kernel: fl._as_rows(w, paired))
+    # the layers' copies go into one buffer per shape, kept for the next call; the head's does not
+    layer_buffers = buffers[:pairable]
+    shapes = {tuple(w.shape) for w in mats if _pairs_ok(w)}
+    assert None not in layer_buffers and len(set(layer_buffers)) == len(fast._row_buffers) == len(shapes)
+    assert buffers[pairable:] == [None] * (len(buffers) - pairable)
+    fast.reset(2)
+    again = fast.forward(ids)
+    assert torch.equal(again, got) and set(buffers[-pairable - 1 : -1]) == set(layer_buffers)
+    monkeypatch.setattr(fl, "_rows_for", lambda w, paired, *rest: fl._as_rows(w, paired))
     fast.reset(2)
     assert torch.equal(fast.forward(ids), got)
 

@@ -1208,7 +1208,7 @@ void rows_from_pairs(const WT* w, int64_t N, int64_t K, OT* out) {
 // with `to_bf16` (int8 weights meeting bfloat16 products). Eager torch's strided copy moved
 // 8-weight chunks in short inner loops (SmolLM2-135M's layers on the Xeon: float32 75 ms where a
 // plain clone takes 48, int8 31 ms against 8.5) and widened int8 in a second pass (23 ms).
-at::Tensor rows_from_pairs_op(const at::Tensor& w, bool to_bf16) {
+at::Tensor rows_from_pairs_op(const at::Tensor& w, bool to_bf16, const std::optional<at::Tensor>& into) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "w must be contiguous [N, K]");
   const at::ScalarType t = w.scalar_type();
   TORCH_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kChar, "w must be float32, bfloat16 or int8");
@@ -1216,7 +1216,14 @@ at::Tensor rows_from_pairs_op(const at::Tensor& w, bool to_bf16) {
   TORCH_CHECK(paired_ok(t, N, K), "w [", N, ", ", K, "] cannot be pair-interleaved");
   const at::ScalarType o = to_bf16 ? at::kBFloat16 : t;
   TORCH_CHECK(t != at::kFloat || !to_bf16, "float32 weights are not rounded to bfloat16 here");
-  auto out = at::empty({N, K}, w.options().dtype(o));
+  at::Tensor out;
+  if (into) {
+    TORCH_CHECK(into->is_contiguous() && into->scalar_type() == o && into->numel() >= N * K,
+                "into must be contiguous, of the output's dtype, with at least N * K elements");
+    out = into->view(-1).narrow(0, 0, N * K).view({N, K});
+  } else {
+    out = at::empty({N, K}, w.options().dtype(o));
+  }
   if (t == at::kFloat) {
     rows_from_pairs(w.data_ptr<float>(), N, K, out.data_ptr<float>());
   } else if (t == at::kBFloat16) {
@@ -1726,6 +1733,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rope_rows", &rope_rows_op, pybind11::arg("qkv"), pybind11::arg("cos"), pybind11::arg("sin"),
         pybind11::arg("pos"), pybind11::arg("heads"), pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("rows_from_pairs", &rows_from_pairs_op, pybind11::arg("w"), pybind11::arg("to_bf16") = false,
+  m.def("rows_from_pairs", &rows_from_pairs_op, pybind11::arg("w"), pybind11::arg("to_bf16") = false, pybind11::arg("into") = std::nullopt,
         pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -298,19 +298,34 @@ def _as_rows(weight: torch.Tensor, paired: bool) -> torch.Tensor:
     return _plain_rows(weight) if paired and _pairs_ok(weight) else weight
 
 
-def _rows_for(weight: torch.Tensor, paired: bool, compute: torch.dtype | None, kernel: Any) -> torch.Tensor:
+def _rows_for(
+    weight: torch.Tensor,
+    paired: bool,
+    compute: torch.dtype | None,
+    kernel: Any,
+    buffers: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """``weight`` ``[N, K]`` row-major for a product in ``compute`` (see :func:`_product`).
 
     From the pairs (``paired`` and ``_pairs_ok``) with ``kernel`` (the compiled module): its
     ``rows_from_pairs``, one pass that also widens int8 to bfloat16 when the product runs in
     bfloat16 (int8's -127..127 are exact there), so ``_product`` converts nothing. Eager torch took
     two passes and moved the pairs' 8-weight chunks in short strided loops: SmolLM2-135M's layers
-    on the Xeon, float32 75 -> 48 ms, int8 to bfloat16 54 -> 17 ms (min of 5). Otherwise
-    :func:`_as_rows`.
+    on the Xeon, 6 rounds, float32 62-69 -> 43-49 ms, int8 to bfloat16 37-51 -> 18-20 ms.
+    With ``buffers`` (shape and dtype -> tensor, filled on first use) the copy is written into the
+    buffer of its shape, overwriting the previous one's: the memory is mapped once, not on every
+    call (an 85-token float32 prompt, 8 rounds: 255 -> 231 ms). Otherwise :func:`_as_rows`.
     """
     if kernel is None or not (paired and _pairs_ok(weight)):
         return _as_rows(weight, paired)
-    return kernel.rows_from_pairs(weight, to_bf16=weight.dtype == torch.int8 and compute == torch.bfloat16)
+    to_bf16 = weight.dtype == torch.int8 and compute == torch.bfloat16
+    into = None
+    if buffers is not None:
+        key = (tuple(weight.shape), torch.bfloat16 if to_bf16 else weight.dtype)
+        into = buffers.get(key)
+        if into is None:
+            into = buffers[key] = torch.empty(key[0], dtype=key[1], device=weight.device)
+    return kernel.rows_from_pairs(weight, to_bf16=to_bf16, into=into)
 
 
 def _rows_at(weight: torch.Tensor, ids: torch.Tensor, paired: bool) -> torch.Tensor:
@@ -434,6 +449,9 @@ class FastLlama:
         EPYC, 3-6x on the Xeon with AMX (SDPA over 700 tokens: 8.7 -> 3.3 ms a layer); float32 weights
         keep float32 products (exact w.r.t. HF). Plain and speculative decoding share the
         prefill, so their outputs stay identical."""
+        self._row_buffers: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
+        """The torch path's row-major copies of one layer's paired matrices (``_rows_for``), reused
+        by every layer and call: one buffer per shape and dtype (SmolLM2-135M: 14 MB in float32)."""
         self._threads = ThreadTuner()
         """Picks 1 or all threads per kernel call from measured times (see ``threads.py``)."""
         self._record_hidden = False
@@ -833,7 +851,10 @@ class FastLlama:
             x = x * w["embed_scale"][ids.to(dev)][..., None]  # int8 rows, dequantised as the kernel does
         for layer, kc, vc in zip(w["layers"], self.k_cache, self.v_cache, strict=True):
             if paired:  # a row-major copy of each matrix per call
-                rows = {m: _rows_for(layer[m], paired, compute, _kernel_module) for m in _LAYER_MATRICES}
+                rows = {
+                    m: _rows_for(layer[m], paired, compute, _kernel_module, self._row_buffers)
+                    for m in _LAYER_MATRICES
+                }
                 layer = {**layer, **rows}
             h = _norm(x, layer["in_norm"], self._eps, kernel)
             # [n, T, (Hq + 2 Hkv) D]
