@@ -1205,9 +1205,11 @@ void rows_from_pairs(const WT* w, int64_t N, int64_t K, OT* out) {
 
 // The torch path's row-major copy of a paired matrix for its long-prompt products, in one pass:
 // w [N, K] pair-interleaved float32, bfloat16 or int8 -> [N, K] in w's own dtype, or in bfloat16
-// with `to_bf16` (int8 weights meeting bfloat16 products). Eager torch's strided copy moved
-// 8-weight chunks in short inner loops (SmolLM2-135M's layers on the Xeon: float32 75 ms where a
-// plain clone takes 48, int8 31 ms against 8.5) and widened int8 in a second pass (23 ms).
+// with `to_bf16` (int8 weights meeting bfloat16 products), written into `into` when given (the
+// caller's buffer, kept between calls: at least N * K elements of the output's dtype). Eager
+// torch's strided copy moved 8-weight chunks in short inner loops (SmolLM2-135M's layers on the
+// Xeon: float32 75 ms where a plain clone takes 48, int8 31 ms against 8.5) and widened int8 in a
+// second pass (23 ms).
 at::Tensor rows_from_pairs_op(const at::Tensor& w, bool to_bf16, const std::optional<at::Tensor>& into) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "w must be contiguous [N, K]");
   const at::ScalarType t = w.scalar_type();
@@ -1224,15 +1226,16 @@ at::Tensor rows_from_pairs_op(const at::Tensor& w, bool to_bf16, const std::opti
   } else {
     out = at::empty({N, K}, w.options().dtype(o));
   }
-  if (t == at::kFloat) {
-    rows_from_pairs(w.data_ptr<float>(), N, K, out.data_ptr<float>());
-  } else if (t == at::kBFloat16) {
-    rows_from_pairs(reinterpret_cast<const bf16*>(w.data_ptr()), N, K, reinterpret_cast<bf16*>(out.data_ptr()));
-  } else if (o == at::kChar) {
-    rows_from_pairs(reinterpret_cast<const i8*>(w.data_ptr()), N, K, reinterpret_cast<i8*>(out.data_ptr()));
-  } else {
-    rows_from_pairs(reinterpret_cast<const i8*>(w.data_ptr()), N, K, reinterpret_cast<bf16*>(out.data_ptr()));
-  }
+  const void* src = w.data_ptr();
+  void* dst = out.data_ptr();
+  if (t == at::kFloat)
+    rows_from_pairs(static_cast<const float*>(src), N, K, static_cast<float*>(dst));
+  else if (t == at::kBFloat16)
+    rows_from_pairs(static_cast<const bf16*>(src), N, K, static_cast<bf16*>(dst));
+  else if (o == at::kChar)
+    rows_from_pairs(static_cast<const i8*>(src), N, K, static_cast<i8*>(dst));
+  else
+    rows_from_pairs(static_cast<const i8*>(src), N, K, static_cast<bf16*>(dst));
   return out;
 }
 
@@ -1733,6 +1736,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rope_rows", &rope_rows_op, pybind11::arg("qkv"), pybind11::arg("cos"), pybind11::arg("sin"),
         pybind11::arg("pos"), pybind11::arg("heads"), pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("rows_from_pairs", &rows_from_pairs_op, pybind11::arg("w"), pybind11::arg("to_bf16") = false, pybind11::arg("into") = std::nullopt,
-        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("rows_from_pairs", &rows_from_pairs_op, pybind11::arg("w"), pybind11::arg("to_bf16") = false,
+        pybind11::arg("into") = std::nullopt, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

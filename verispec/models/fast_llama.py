@@ -850,7 +850,7 @@ class FastLlama:
         if w["embed_scale"] is not None:
             x = x * w["embed_scale"][ids.to(dev)][..., None]  # int8 rows, dequantised as the kernel does
         for layer, kc, vc in zip(w["layers"], self.k_cache, self.v_cache, strict=True):
-            if paired:  # a row-major copy of each matrix per call
+            if paired:  # a row-major copy of each matrix per call, into the buffers reused by all
                 rows = {
                     m: _rows_for(layer[m], paired, compute, _kernel_module, self._row_buffers)
                     for m in _LAYER_MATRICES
@@ -904,7 +904,7 @@ class FastLlama:
             flat = x.reshape(-1, x.shape[-1]).contiguous()  # [rows, hidden] float32
             out = self._kernel.linear(flat, w["head"], None, w["head_scale"], paired=_pairs_ok(w["head"]))
             return out.view(*rows, -1)
-        head = _rows_for(w["head"], paired, compute, _kernel_module)
+        head = _rows_for(w["head"], paired, compute, _kernel_module)  # not kept (113 MB in float32)
         out = _linear(x, head, scale=w["head_scale"], compute=compute).float()
         return out.cpu()  # sampling and acceptance run on the CPU (a no-op there)
 
