@@ -702,6 +702,17 @@ def test_kernel_rows_from_pairs_undoes_the_interleaving(dtype: torch.dtype, shap
     assert torch.equal(buffer[-5:], torch.full((5,), 3, dtype=dtype))  # nothing written past it
     with pytest.raises(RuntimeError, match="into"):
         kernel.rows_from_pairs(paired, into=buffer[:-6])  # too small
+    # non-temporal stores where the buffer and rows are aligned to whole chunks, plain copies where
+    # not (an offset of one element): the same rows either way, nothing written past them
+    for offset in (0, 1):
+        base = torch.full((shape[0] * shape[1] + 64,), 3, dtype=dtype)
+        start = (-base.data_ptr() // base.element_size()) % 32 + offset
+        out = base[start : start + shape[0] * shape[1]]
+        streamed = kernel.rows_from_pairs(paired, into=out, stream=True)
+        assert streamed.data_ptr() == out.data_ptr() and torch.equal(streamed, rows)
+        rest = torch.cat([base[:start], base[start + shape[0] * shape[1] :]])
+        assert torch.equal(rest, torch.full_like(rest, 3))
+    assert torch.equal(kernel.rows_from_pairs(paired, stream=True), rows)
     if dtype == torch.float32:
         with pytest.raises(RuntimeError, match="float32"):
             kernel.rows_from_pairs(paired, to_bf16=True)
@@ -730,10 +741,12 @@ def test_long_prefill_reads_paired_matrices_through_the_kernel(
     widened: list[bool] = []
     buffers: list[int | None] = []
 
-    def spy(w: torch.Tensor, to_bf16: bool = False, into: torch.Tensor | None = None) -> torch.Tensor:
+    def spy(
+        w: torch.Tensor, to_bf16: bool = False, into: torch.Tensor | None = None, stream: bool = False
+    ) -> torch.Tensor:
         widened.append(to_bf16)
         buffers.append(None if into is None else into.data_ptr())
-        return original(w, to_bf16=to_bf16, into=into)
+        return original(w, to_bf16=to_bf16, into=into, stream=stream)
 
     monkeypatch.setattr(module, "rows_from_pairs", spy, raising=False)
     got = fast.forward(ids)

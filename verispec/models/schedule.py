@@ -59,11 +59,13 @@ PREFILL_ENV = "VERISPEC_KERNEL_PREFILL_MAX"
 PREFILL_SIZES = (64, 256)
 """Prompt lengths :func:`measure_prefill` times: short chat prompts and the long end of the range
 where the two paths are close (160 until session 17, when float32 crossed near 400 tokens)."""
-PREFILL_KEY = "prefill-v3|"
+PREFILL_KEY = "prefill-v4|"
 """Prefix of the cached crossings' keys, changed whenever either path's cost changes so that every
 machine measures again. v3 (session 17): the torch path copies paired matrices in the kernel
 (SmolLM2-135M's layers, float32 62-69 -> 43-49 ms, int8 to bfloat16 37-51 -> 18-20 ms), and the
-kernel takes prompts in pieces of 64 tokens instead of 16 (float32 128 tokens 321 -> 188 ms)."""
+kernel takes prompts in pieces of 64 tokens instead of 16 (float32 128 tokens 321 -> 188 ms). v4
+(session 18): those copies of float32 bypass the caches (within a 210-token float32 prefill, 76-92
+-> 46-62 ms)."""
 PREFILL_LIMITS = (16, 512)
 """The crossing :func:`prefill_crossing` returns lies in this range: below the kernel's own call
 size a prompt is one kernel call anyway, and far past the measured lengths a line is a guess."""
