@@ -1067,3 +1067,108 @@ def test_old_kernel_builds_are_pruned_and_the_current_one_kept(tmp_path: Path) -
     assert current.exists() and recent.exists() and built_long_ago_used_lately.exists()
     assert converted.exists()
     assert (current / "last_used").stat().st_mtime > time.time() - 60  # marked as used now
+
+
+def _screened_pair(hf: torch.nn.Module, **kw: object) -> tuple[FastLlama, FastLlama]:
+    """The same model with and without the head screen (kernel, float32)."""
+    with patch.object(FastLlama, "screen_head", False):
+        plain = FastLlama.from_hf(hf, use_kernel=True, **kw)
+    with patch.object(FastLlama, "screen_head", True):
+        screened = FastLlama.from_hf(hf, use_kernel=True, **kw)
+    assert "head_screen" in screened._w and "head_screen" not in plain._w
+    return plain, screened
+
+
+def _check_screened(want: torch.Tensor, got: torch.Tensor) -> int:
+    """``got`` (an "argmax" call) against ``want`` (the whole logits) ``[..., V]``: the same argmax,
+    bitwise the same values where not -inf; returns how many entries were ruled out."""
+    assert got.shape == want.shape
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    kept = torch.isfinite(got)
+    assert torch.equal(got[kept], want[kept])
+    return int((~kept).sum())
+
+
+@requires_kernel
+@pytest.mark.parametrize("tied", [True, False])
+def test_head_screen_gives_the_whole_heads_argmax_and_its_own_logits(tied: bool) -> None:
+    """float32 "argmax" calls through the screen: decoding, verification-sized and tree calls, rows
+    of different lengths; the argmax and every kept logit are the whole head's, bitwise, and the
+    screen rules most of a trained-like head out."""
+    hf = _llama(tie_word_embeddings=tied, vocab_size=2048)
+    with torch.no_grad():  # a head whose logits spread like a trained model's: a few tokens stand out
+        w = hf.get_output_embeddings().weight
+        order = torch.randperm(w.shape[0], generator=torch.Generator().manual_seed(3))
+        w.mul_(torch.linspace(0.2, 3.0, w.shape[0])[order][:, None])
+    plain, screened = _screened_pair(hf, max_batch_size=2)
+    ids = torch.randint(0, 2048, (2, 40), generator=torch.Generator().manual_seed(5))
+    ruled_out = 0
+    for fast in (plain, screened):
+        fast.forward(ids[:, :10], logits="none")
+    for t0, width in ((10, 1), (11, 5), (16, 1), (17, 9), (26, 1)):
+        want = plain.forward(ids[:, t0 : t0 + width], logits="all")
+        ruled_out += _check_screened(want, screened.forward(ids[:, t0 : t0 + width], logits="argmax"))
+    offsets = torch.tensor([[0, 1, 2, 1, 2]]).expand(2, -1)  # a tree: alternatives beside the chain
+    want = plain.forward(ids[:, 30:35], logits="all", offsets=offsets)
+    ruled_out += _check_screened(want, screened.forward(ids[:, 30:35], logits="argmax", offsets=offsets))
+    rows, whole = screened.screen_counts()
+    assert rows == 2 * (1 + 5 + 1 + 9 + 1 + 5) and whole == 0
+    assert ruled_out > rows * 2048 // 2, "the screen kept most of the vocabulary"
+    # Other calls never take the screen: "all" is the whole head, bitwise.
+    assert torch.equal(plain.forward(ids[:, 35:36]), screened.forward(ids[:, 35:36]))
+    assert screened.screen_counts() == (rows, 0)
+
+
+@requires_kernel
+@pytest.mark.parametrize("vocab", [300, 5000])
+def test_head_screen_keeps_near_ties_and_falls_back_when_too_many(vocab: int) -> None:
+    """Every row of the head within 1e-4 of one row: the int8 screen cannot order them (its rounding
+    is larger than their differences), so all must stay candidates and the largest logit, ties
+    included (duplicated rows: the first of them), is still the whole head's. Beyond the kernel's
+    4096 candidates a row takes the whole head."""
+    hf = _llama(tie_word_embeddings=False, vocab_size=vocab)
+    gen = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        w = hf.get_output_embeddings().weight
+        base = torch.randn(w.shape[1], generator=gen) * 0.05
+        w.copy_(base + 1e-4 * torch.randn(w.shape, generator=gen) * base.abs().max())
+        w[vocab // 2 :: 7] = w[vocab // 3]  # exact duplicates of one row
+    plain, screened = _screened_pair(hf)
+    ids = torch.randint(0, vocab, (1, 30), generator=gen)
+    plain.forward(ids[:, :5], logits="none")
+    screened.forward(ids[:, :5], logits="none")
+    for t in range(5, 30, 5):
+        want = plain.forward(ids[:, t : t + 5], logits="all")
+        assert _check_screened(want, screened.forward(ids[:, t : t + 5], logits="argmax")) == 0
+    rows, whole = screened.screen_counts()
+    assert rows == 25 and whole == (25 if vocab > 4096 else 0)
+
+
+@requires_kernel
+def test_head_screen_changes_no_greedy_output_and_counts_its_bytes() -> None:
+    """Greedy generation with prompt lookup (chains, verification of several tokens) and plain
+    decoding: the same tokens with and without the screen. A greedy step reads the screen instead of
+    the float32 head; sampling reads the head."""
+    import verispec
+    from verispec.proposers import PromptLookup
+
+    hf = _llama(vocab_size=1024)
+    plain, screened = _screened_pair(hf)
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]
+    outs = []
+    for fast in (plain, screened):
+        for draft in (None, PromptLookup()):
+            result = verispec.speculative_generate(
+                fast, draft, prompt, max_new_tokens=24, temperature=0, ignore_eos=True
+            )
+            outs.append(result.token_ids)
+    assert len(outs[0]) == 24 and outs[0] == outs[1] == outs[2] == outs[3]
+    counts = screened.screen_counts()
+    assert counts[0] >= 24
+    sampled = verispec.speculative_generate(screened, None, prompt, max_new_tokens=4, temperature=1, seed=0)
+    assert len(sampled.token_ids) == 4 and screened.screen_counts() == counts  # sampling: whole head
+    head = screened._w["head"].numel() * 4
+    codes = screened._w["head_screen"]["codes"].numel()
+    assert screened.weight_bytes() == plain.weight_bytes() + codes + 3 * 4 * 1024
+    assert screened.read_bytes(greedy=True) == screened.weight_bytes() - head
+    assert screened.read_bytes(greedy=False) == plain.weight_bytes() == plain.read_bytes(greedy=True)

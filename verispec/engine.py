@@ -23,7 +23,7 @@ import torch
 from verispec.config import ConfigError, GenerationConfig, SamplingConfig
 from verispec.costs import StepCosts, best_draft_length, best_tree, costs_for, prior_ratios
 from verispec.detokenize import IncrementalDecoder
-from verispec.models.base import KVModel
+from verispec.models.base import KVModel, LogitsMode
 from verispec.proposers import Proposal, Proposer
 from verispec.rejection import argmax_last, greedy_accept, greedy_verify_tree, rejection_sample
 from verispec.sampling import SamplingTensors, logits_to_probs
@@ -216,7 +216,9 @@ class Engine:
             inputs = torch.cat([pending, draft_tokens], dim=1)  # [B, width + 1]
         else:
             draft_tokens, draft_probs, inputs = None, None, pending
-        logits = self.target.forward(inputs, rows=slots, logits="all")  # [B, width + 1, V]
+        # Greedy rows read only the argmax: a backend may then skip most of the vocabulary.
+        mode: LogitsMode = "argmax" if params.all_greedy else "all"
+        logits = self.target.forward(inputs, rows=slots, logits=mode)  # [B, width + 1, V]
         if params.all_greedy:  # greedy_verify, on Python ints
             best = argmax_last(logits).tolist()  # [B][width + 1]
             drafts = [[] for _ in seqs] if draft_tokens is None else draft_tokens.tolist()
@@ -300,7 +302,7 @@ class Engine:
         inputs = torch.cat([pending, chain, alt_tokens], dim=1)  # [B, 1 + W + A]
         # Padding alternatives sit at offset 0 (after the committed tokens only) and are never read.
         offsets = torch.cat([torch.arange(width + 1).expand(batch, -1), alt_positions + 1], dim=1)
-        logits = self.target.forward(inputs, rows=slots, logits="all", offsets=offsets)
+        logits = self.target.forward(inputs, rows=slots, logits="argmax", offsets=offsets)  # all greedy
         verdict = greedy_verify_tree(chain, num_draft, alt_tokens, alt_positions, logits)
         accepted = verdict.num_accepted.tolist()
         emitted = [tokens[: a + 1] for tokens, a in zip(verdict.tokens.tolist(), accepted)]

@@ -318,10 +318,10 @@ def run(args: argparse.Namespace) -> int:
     probe = bandwidth_probe(device=device)  # one 512 MiB tensor for every reading of the run
     bandwidth_before = memory_bandwidth(probe=probe)
     widths = sorted({1, 5, *(k + 1 for k in ks)})  # 5: verify_cost_ratio; k + 1: each k's prediction
-    costs = {d: verify_costs(t, widths) for d, t in targets.items()}
+    costs = {d: verify_costs(t, widths, greedy=sampling.greedy) for d, t in targets.items()}
     draft_cost: dict[tuple[str, str], float] = {}
     for d, t in targets.items():
-        step = forward_seconds(t, [1])[1]
+        step = forward_seconds(t, [1], greedy=sampling.greedy)[1]
         draft_cost[("prompt-lookup", d)] = lookup_seconds(lookup) / step
         if isinstance(draft, DraftModelProposer):
             draft_cost[("draft-model", d)] = forward_seconds(draft.model, [1])[1] / step
@@ -350,7 +350,7 @@ def run(args: argparse.Namespace) -> int:
     def between_prompts() -> None:
         bandwidth_during.append(memory_bandwidth(reps=3, probe=probe))
         for d, t in targets.items():
-            verify_during[d].append(verify_costs(t, [5], reps=3)[5])
+            verify_during[d].append(verify_costs(t, [5], reps=3, greedy=sampling.greedy)[5])
 
     results = run_interleaved(
         configs,
@@ -394,7 +394,7 @@ def run(args: argparse.Namespace) -> int:
     bandwidth = statistics.fmean(readings)
     by_dtype = {}
     for d, t in targets.items():
-        wb = weight_bytes(t, d)
+        wb = weight_bytes(t, d, greedy=sampling.greedy)
         plain = next(
             r for r in rows if r["method"] == "autoregressive" and r["dtype"] == d and r["category"] == ALL
         )
@@ -418,7 +418,7 @@ def run(args: argparse.Namespace) -> int:
     first = by_dtype[dtypes[0]]
     from verispec.commands.generate import memory_report
 
-    memory = {"target_weights": first["weight_bytes_per_token"]}
+    memory = {"target_weights": int(getattr(main, "weight_bytes", lambda: first["weight_bytes_per_token"])())}
     memory.update(memory_report(main, draft))
     machine["load_average_at_end"] = load_average()
     results_json = {

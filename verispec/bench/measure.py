@@ -100,9 +100,13 @@ def memory_bandwidth(
     return x.numel() * x.element_size() / seconds
 
 
-def weight_bytes(model, dtype: str = "float32") -> int:
-    """Bytes of weights the target reads per token: ``model.weight_bytes()`` when the backend knows,
-    else the Hugging Face parameters counted at ``dtype``'s width."""
+def weight_bytes(model, dtype: str = "float32", greedy: bool = False) -> int:
+    """Bytes of weights the target reads per token: ``model.read_bytes(greedy)`` or
+    ``model.weight_bytes()`` when the backend knows (a greedy step may read less: FastLlama's head
+    screen), else the Hugging Face parameters counted at ``dtype``'s width."""
+    read = getattr(model, "read_bytes", None)
+    if callable(read):
+        return int(read(greedy=greedy))
     fn = getattr(model, "weight_bytes", None)
     if callable(fn):
         return int(fn())
@@ -114,8 +118,12 @@ def weight_bytes(model, dtype: str = "float32") -> int:
 
 
 @torch.no_grad()  # not inference_mode: reset() here makes state tensors that later calls update in place
-def forward_seconds(model, tokens: list[int], context: int = 200, reps: int = 9) -> dict[int, float]:
+def forward_seconds(
+    model, tokens: list[int], context: int = 200, reps: int = 9, greedy: bool = False
+) -> dict[int, float]:
     """Median seconds of one ``forward`` of T new tokens after ``context`` cached tokens, per T in ``tokens``.
+
+    ``greedy``: the calls ask for what greedy verification reads (``logits="argmax"``), else all logits.
 
     The cache is truncated back to ``context`` after each call, so every call sees the same length;
     the T values are interleaved within each repetition so drift hits them alike.
@@ -128,11 +136,12 @@ def forward_seconds(model, tokens: list[int], context: int = 200, reps: int = 9)
     model.reset(1)
     model.forward(ids[:, :context], logits="none")
     back = torch.tensor([context])
+    mode = "argmax" if greedy else "all"
     times: dict[int, list[float]] = {t: [] for t in tokens}
     for rep in range(reps + 1):
         for t in tokens:
             start = time.perf_counter()
-            model.forward(ids[:, context : context + t], logits="all")  # [1, T, V] as in verification
+            model.forward(ids[:, context : context + t], logits=mode)  # [1, T, V] as in verification
             elapsed = time.perf_counter() - start
             model.truncate(back)
             if rep:  # the first round is warm-up
@@ -140,9 +149,12 @@ def forward_seconds(model, tokens: list[int], context: int = 200, reps: int = 9)
     return {t: statistics.median(v) for t, v in times.items()}
 
 
-def verify_costs(model, widths: list[int], context: int = 200, reps: int = 9) -> dict[int, float]:
-    """``v(T)``: time of a forward over T new tokens relative to one token, for T in ``widths``."""
-    secs = forward_seconds(model, sorted({1, *widths}), context, reps)
+def verify_costs(
+    model, widths: list[int], context: int = 200, reps: int = 9, greedy: bool = False
+) -> dict[int, float]:
+    """``v(T)``: time of a forward over T new tokens relative to one token, for T in ``widths``
+    (``greedy``: as greedy steps call it, see :func:`forward_seconds`)."""
+    secs = forward_seconds(model, sorted({1, *widths}), context, reps, greedy)
     return {t: secs[t] / secs[1] for t in secs}
 
 

@@ -80,14 +80,14 @@ def run(args: argparse.Namespace) -> int:
     proposer = build_proposer(target, name, args.prompt_lookup, backend=args.backend)
     method = "prompt-lookup" if isinstance(proposer, PromptLookup) else "draft-model"
 
-    step = forward_seconds(target, [1])[1]
+    step = forward_seconds(target, [1], greedy=sampling.greedy)[1]
     if isinstance(proposer, DraftModelProposer):
         draft_cost = forward_seconds(proposer.model, [1])[1] / step
     elif isinstance(proposer, EagleProposer):
         draft_cost = eagle_token_seconds(proposer) / step
     else:
         draft_cost = lookup_seconds(proposer) / step
-    verify = verify_costs(target, list(range(1, args.k_max + 2)))
+    verify = verify_costs(target, list(range(1, args.k_max + 2)), greedy=sampling.greedy)
 
     req = Sampling(args.max_new_tokens, sampling, args.seed)
     cfg = MethodConfig(method, args.probe_k)

@@ -1327,6 +1327,27 @@ class FastLlamaKernel {
     final_norm_ = final_norm;
   }
 
+  // A screen for greedy calls of a float32 head (FastLlama's `head_screen`): int8 codes c [V, H]
+  // (pair-interleaved where `paired_ok` allows and pairing is on) with per-row scales s [V], and
+  // per-row bound coefficients, rounded up: wnorm[j] >= ||s_j c_j||_2 and
+  // resid[j] >= ||E_j - s_j c_j||_2 + kScreenGamma * ||E_j||_2, E the float32 head. Calls whose
+  // `argmax_only` is set read it instead of the whole head (see `screened_head`).
+  void set_head_screen(at::Tensor codes, at::Tensor scale, at::Tensor wnorm, at::Tensor resid) {
+    TORCH_CHECK(head_.w.defined() && head_.w.scalar_type() == at::kFloat, "a float32 head must be set first");
+    const int64_t V = head_.w.size(0);
+    TORCH_CHECK(codes.scalar_type() == at::kChar, "screen codes must be int8");
+    check_weight(codes, V, H_);
+    check_f32(scale, V);
+    check_f32(wnorm, V);
+    check_f32(resid, V);
+    screen_ = {codes, scale, paired_ && paired_ok(at::kChar, V, H_)};
+    screen_wnorm_ = wnorm;
+    screen_resid_ = resid;
+  }
+
+  // Screened calls so far, and of those the rows that fell back to the whole head.
+  pybind11::tuple screen_counts() const { return pybind11::make_tuple(screened_rows_, screen_fallbacks_); }
+
   void set_rope(at::Tensor cos, at::Tensor sin) {
     check_f32(cos, cos.numel());
     check_f32(sin, cos.numel());
@@ -1360,14 +1381,19 @@ class FastLlamaKernel {
   // after the chain and attends to the chain's tokens before that position only. A token's scores,
   // softmax and value sum run the same operations in the same order as for the same token placed at
   // position ctx[m] of a chain, so its logits are bitwise the same.
+  //
+  // argmax_only: the caller reads only where each row's largest logit lies. With a screen set
+  // (`set_head_screen`), each row then holds the head's own float32 logits, bitwise, for the rows
+  // of the vocabulary the screen could not rule out and -inf for the others; its largest value and
+  // the first place it occurs are those of the full row.
   at::Tensor forward(const at::Tensor& ids, const at::Tensor& slots, const at::Tensor& pos,
-                     const at::Tensor& logit_rows, std::optional<at::Tensor> ctx) {
+                     const at::Tensor& logit_rows, std::optional<at::Tensor> ctx, bool argmax_only) {
     TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous() && ids.dim() == 1);
     TORCH_CHECK(embed_.w.defined(), "this kernel has no embedding: use forward_hidden");
     const int64_t* id = ids.data_ptr<int64_t>();
     for (int64_t m = 0; m < ids.numel(); ++m)
       TORCH_CHECK(id[m] >= 0 && id[m] < embed_.w.size(0), "token id out of range");
-    return dispatch(ids.numel(), id, nullptr, slots, pos, logit_rows, ctx);
+    return dispatch(ids.numel(), id, nullptr, slots, pos, logit_rows, ctx, argmax_only);
   }
 
   // Like forward, with the first layer's inputs given: x [M, hidden] float32 (row m at slots[m],
@@ -1376,7 +1402,7 @@ class FastLlamaKernel {
                             const at::Tensor& logit_rows) {
     TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2 && x.size(1) == H_,
                 "x must be contiguous float32 [M, hidden]");
-    return dispatch(x.size(0), nullptr, x.data_ptr<float>(), slots, pos, logit_rows, std::nullopt);
+    return dispatch(x.size(0), nullptr, x.data_ptr<float>(), slots, pos, logit_rows, std::nullopt, false);
   }
 
   // Row `slot` of every layer's caches: the keys and values at positions src[i] move to dst[i], in
@@ -1447,7 +1473,7 @@ class FastLlamaKernel {
   // Checks shared by forward and forward_hidden; exactly one of `id` and `x_in` is set.
   at::Tensor dispatch(int64_t M, const int64_t* id, const float* x_in, const at::Tensor& slots,
                       const at::Tensor& pos, const at::Tensor& logit_rows,
-                      const std::optional<at::Tensor>& ctx) {
+                      const std::optional<at::Tensor>& ctx, bool argmax_only) {
     for (const auto* t : {&slots, &pos, &logit_rows})
       TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1);
     TORCH_CHECK(!kc_.empty() && cos_.defined() && head_.w.defined(), "kernel not fully set up");
@@ -1468,9 +1494,9 @@ class FastLlamaKernel {
         TORCH_CHECK(ctx_[m] >= 0 && ctx_[m] <= ps[m], "ctx must lie in [0, pos]");
     }
     switch (wtype_) {
-      case at::kBFloat16: return run<bf16>(M, id, x_in, sl, ps, logit_rows);
-      case at::kChar: return run<i8>(M, id, x_in, sl, ps, logit_rows);
-      default: return run<float>(M, id, x_in, sl, ps, logit_rows);
+      case at::kBFloat16: return run<bf16>(M, id, x_in, sl, ps, logit_rows, false);
+      case at::kChar: return run<i8>(M, id, x_in, sl, ps, logit_rows, false);
+      default: return run<float>(M, id, x_in, sl, ps, logit_rows, argmax_only && screen_.w.defined());
     }
   }
 
@@ -1517,7 +1543,7 @@ class FastLlamaKernel {
 
   template <typename WT>
   at::Tensor run(int64_t M, const int64_t* id, const float* x_in, const int64_t* sl, const int64_t* ps,
-                 const at::Tensor& logit_rows) {
+                 const at::Tensor& logit_rows, bool screened) {
     const int64_t H = H_, D = D_, QKV = (Hq_ + 2 * Hkv_) * D_, HQD = Hq_ * D_, I = I_;
     x_.resize(M * H);
     xn_.resize(M * H);
@@ -1580,10 +1606,123 @@ class FastLlamaKernel {
     }
     const int64_t V = head_.w.size(0);
     auto logits = at::empty({R, V}, at::kFloat);
+    if constexpr (std::is_same_v<WT, float>) {
+      if (screened && R > 0) {
+        screened_head(sel.data(), R, logits.data_ptr<float>());
+        return logits;
+      }
+    }
     if (R > 0)
       linear(sel.data(), R, H, wptr<WT>(head_.w), V, H, head_.sc(), nullptr, logits.data_ptr<float>(),
              V, false, head_.paired, schedule_);
     return logits;
+  }
+
+  // The greedy screen of the float32 head E [V, H] for rows h = sel [R, H] (final-normed), into
+  // out [R, V]. The screen's logits a_j come from `linear` on its int8 codes: h quantised to int16
+  // as q * xs, the integer sum exact, then t * xs * s_j in double rounded once to float. So with
+  // e = h - xs q (|e_k| <= 0.502 xs + |h_k| 2^-22 by `quantize_rows_i16`'s rounding) and
+  // r_j = E_j - s_j c_j:
+  //   |h . E_j - a_j| <= |a_j| 2^-22 + ||e|| ||s_j c_j|| + ||h|| ||r_j||,
+  // and the head's float32 logit l_j (K fused multiply-adds per lane chain, then a sum of 8) lies
+  // within gamma ||h|| ||E_j|| of h . E_j. With m_j the sum of those margins (wnorm and resid hold
+  // the per-row norms, gamma folded into resid), every j with a_j + m_j < max_i (a_i - m_i) has
+  // l_j below some other logit and can be neither the largest nor the first among equals. The
+  // others' logits are computed by the same `tile` code as the whole head's, whose every output
+  // is the same arithmetic whatever rows share a call and however they are laid out (bitwise, as
+  // the tests check). Rows whose candidates exceed kScreenMost, or whose h is not finite, take
+  // the whole head.
+  void screened_head(const float* sel, int64_t R, float* out) {
+    const int64_t V = head_.w.size(0), H = H_;
+    screen_logits_.resize(R * V);
+    linear(sel, R, H, wptr<i8>(screen_.w), V, H, screen_.sc(), nullptr, screen_logits_.data(), V,
+           false, screen_.paired, schedule_);
+    const float* wn = screen_wnorm_.data_ptr<float>();
+    const float* rn = screen_resid_.data_ptr<float>();
+    const float* head = head_.w.data_ptr<float>();
+    constexpr int64_t C = kPairChunk<float>;
+    for (int64_t r = 0; r < R; ++r) {
+      const float* h = sel + r * H;
+      float* o = out + r * V;
+      const float* a = screen_logits_.data() + r * V;
+      double ss = 0.0, amax = 0.0;
+      for (int64_t k = 0; k < H; ++k) {
+        ss += static_cast<double>(h[k]) * h[k];
+        amax = std::max(amax, std::fabs(static_cast<double>(h[k])));
+      }
+      const double hn = std::sqrt(ss) * (1.0 + 1e-9);
+      const double en = 0.51 * (amax / 32767.0) * std::sqrt(static_cast<double>(H)) + hn * 1e-6;
+      ++screened_rows_;
+      bool whole = !std::isfinite(hn);
+      int64_t n = 0;
+      if (!whole) {
+        // In float, 8 lanes at a time: every coefficient is inflated by 2^-18 and the |a_j| term
+        // is 2^-19 instead of 2^-22, far more than the at most four roundings (2^-24 each) of
+        // m_j, a_j - m_j and a_j + m_j, and lo is lowered by 2^-20 |lo|: so upper_j >= a_j + m_j
+        // and lo <= max_i (a_i - m_i), each with the margins of the real-number argument above.
+        const float ef = static_cast<float>(en * (1.0 + 0x1p-18));
+        const float hf = static_cast<float>(hn * (1.0 + 0x1p-18));
+        screen_upper_.resize(V);
+        float* up = screen_upper_.data();
+        const __m256 c0 = _mm256_set1_ps(0x1p-19f), ve = _mm256_set1_ps(ef), vh = _mm256_set1_ps(hf);
+        const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        __m256 vlo = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+        int64_t j = 0;
+        for (; j + 8 <= V; j += 8) {
+          const __m256 va = _mm256_loadu_ps(a + j);
+          const __m256 m = _mm256_add_ps(
+              _mm256_add_ps(_mm256_mul_ps(_mm256_and_ps(va, abs_mask), c0),
+                            _mm256_mul_ps(ve, _mm256_loadu_ps(wn + j))),
+              _mm256_mul_ps(vh, _mm256_loadu_ps(rn + j)));
+          vlo = _mm256_max_ps(_mm256_sub_ps(va, m), vlo);
+          _mm256_storeu_ps(up + j, _mm256_add_ps(va, m));
+        }
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, vlo);
+        float lo = lanes[0];
+        for (int i = 1; i < 8; ++i) lo = std::max(lo, lanes[i]);
+        for (; j < V; ++j) {
+          const float m = std::fabs(a[j]) * 0x1p-19f + ef * wn[j] + hf * rn[j];
+          lo = std::max(lo, a[j] - m);
+          up[j] = a[j] + m;
+        }
+        lo -= std::fabs(lo) * 0x1p-20f;
+        cand_.clear();
+        for (j = 0; j < V; ++j) {
+          if (up[j] >= lo) {
+            if (static_cast<int64_t>(cand_.size()) == kScreenMost) {
+              whole = true;
+              break;
+            }
+            cand_.push_back(j);
+          }
+        }
+        whole = whole || !std::isfinite(lo);
+        n = static_cast<int64_t>(cand_.size());
+        whole = whole || !std::isfinite(lo);
+      }
+      if (whole) {
+        ++screen_fallbacks_;
+        linear(h, 1, H, head, V, H, nullptr, nullptr, o, V, false, head_.paired, schedule_);
+        continue;
+      }
+      cand_rows_.resize(n * H);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t j = cand_[i];
+        float* dst = cand_rows_.data() + i * H;
+        if (head_.paired) {  // row j of the pairs, chunk by chunk (as the embedding reads it)
+          const float* row = head + (j / 2) * 2 * H + (j % 2) * C;
+          for (int64_t k = 0; k < H; k += C) std::memcpy(dst + k, row + 2 * k, C * sizeof(float));
+        } else {
+          std::memcpy(dst, head + j * H, H * sizeof(float));
+        }
+      }
+      cand_vals_.resize(n);
+      linear(h, 1, H, cand_rows_.data(), n, H, nullptr, nullptr, cand_vals_.data(), n, false, false,
+             schedule_);
+      std::fill_n(o, V, -std::numeric_limits<float>::infinity());
+      for (int64_t i = 0; i < n; ++i) o[cand_[i]] = cand_vals_[i];
+    }
   }
 
   // RoPE on q and k in place, then k and v into the caches at (slot, head, pos).
@@ -1720,6 +1859,13 @@ class FastLlamaKernel {
   at::ScalarType wtype_ = at::ScalarType::Undefined;
   Mat embed_, head_;
   at::Tensor final_norm_, cos_, sin_;
+  // The greedy head screen (`set_head_screen`), its buffers and counts.
+  static constexpr int64_t kScreenMost = 4096;
+  Mat screen_;
+  at::Tensor screen_wnorm_, screen_resid_;
+  std::vector<float> screen_logits_, screen_upper_, cand_rows_, cand_vals_;
+  std::vector<int64_t> cand_;
+  int64_t screened_rows_ = 0, screen_fallbacks_ = 0;
   std::vector<at::Tensor> kc_, vc_;
   std::vector<float> x_, xn_, qkv_, att_, gu_, act_;
   std::vector<AttnItem> items_;
@@ -1741,7 +1887,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("move_positions", &FastLlamaKernel::move_positions)
       .def("forward", &FastLlamaKernel::forward, pybind11::arg("ids"), pybind11::arg("slots"),
            pybind11::arg("pos"), pybind11::arg("logit_rows"), pybind11::arg("ctx") = std::nullopt,
-           pybind11::call_guard<pybind11::gil_scoped_release>())
+           pybind11::arg("argmax_only") = false, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("set_head_screen", &FastLlamaKernel::set_head_screen, pybind11::arg("codes"),
+           pybind11::arg("scale"), pybind11::arg("wnorm"), pybind11::arg("resid"))
+      .def("screen_counts", &FastLlamaKernel::screen_counts)
       .def("forward_hidden", &FastLlamaKernel::forward_hidden,
            pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("set_keep_hidden", &FastLlamaKernel::set_keep_hidden)

@@ -19,7 +19,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
-LogitsMode = Literal["all", "last", "none"]
+LogitsMode = Literal["all", "argmax", "last", "none"]
 
 
 @runtime_checkable
@@ -49,6 +49,9 @@ class KVModel(Protocol):
             input_ids: ``[n, T]`` int64, one line per row in ``rows`` (all rows when None).
             rows: which rows of the batch the lines belong to.
             logits: "all" returns ``[n, T, V]``, "last" ``[n, V]``, "none" returns None.
+                "argmax" returns ``[n, T, V]`` for a caller that reads only where each position's
+                largest logit lies (greedy decoding): the largest value and its first place are
+                those of "all", other entries may be -inf (a backend may skip them).
 
         Row ``r`` writes its tokens at positions ``lengths[r] .. lengths[r] + T - 1`` and attends to
         everything before them; its length grows by T. ``input_ids`` and the returned logits live on
@@ -65,7 +68,7 @@ def logit_rows(n: int, t: int, logits: LogitsMode) -> torch.Tensor:
     ``logits`` asks for: all of them, each row's last, or none (the C++ kernel's ``logit_rows``).
 
     Built once per call shape and shared: read it, never write it (every decoding step asks)."""
-    if logits == "all":
+    if logits in ("all", "argmax"):
         return torch.arange(n * t)
     if logits == "last":
         return torch.arange(t - 1, n * t, t)

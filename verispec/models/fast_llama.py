@@ -292,6 +292,46 @@ def _plain_rows(weight: torch.Tensor) -> torch.Tensor:
     return weight.view(n // 2, k // c, 2, c).transpose(1, 2).reshape(n, k)
 
 
+SCREEN_GAMMA = 2 * 576 * 2.0**-24
+"""Bound on the float32 head's relative rounding: ``|l_j - h . E_j| <= SCREEN_GAMMA ||h|| ||E_j||``
+for hidden sizes up to 576 (each logit is 8 chains of K / 8 fused multiply-adds and a sum of the 8:
+fewer than K roundings of at most 2^-24; twice that, for margin). ``_head_screen`` scales it to H."""
+
+
+def _head_screen(head: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The kernel's greedy screen of a float32 head ``head`` ``[V, H]`` (row-major): int8 codes
+    ``c`` ``[V, H]`` with per-row scales ``s`` ``[V]`` (``s_j = max |E_j| / 127``, codes rounded to
+    nearest), and the bound coefficients ``wnorm`` ``[V]`` >= ``||s_j c_j||`` and ``resid`` ``[V]``
+    >= ``||E_j - s_j c_j|| + gamma ||E_j||``, all float32, computed in float64 and rounded up.
+
+    A greedy step reads the codes (a quarter of the head's bytes) and only the float32 rows of the
+    few tokens whose screened logit, give or take its bound, could still be the largest (the
+    kernel's ``screened_head``); the argmax is exactly the whole head's.
+    """
+    e = head.detach().double()  # [V, H]
+    h = e.shape[1]
+    amax = e.abs().amax(dim=1)  # [V]
+    scale = (amax / 127.0).float()  # the float32 scale the kernel multiplies by
+    s64 = scale.double()
+    codes = torch.where(s64[:, None] > 0, torch.round(e / s64.clamp_min(1e-300)[:, None]), 0.0)
+    codes = codes.clamp(-127, 127)
+    deq = s64[:, None] * codes  # [V, H], exact in float64 (an int times a float32)
+    gamma = SCREEN_GAMMA * max(1.0, h / 576)
+    resid = (e - deq).norm(dim=1) + gamma * e.norm(dim=1)
+    wnorm = deq.norm(dim=1)
+
+    def up(x: torch.Tensor) -> torch.Tensor:  # float32 at or above every value (and 1e-12 margin)
+        f = (x * (1 + 1e-12)).float()
+        return torch.where(f.double() < x, torch.nextafter(f, torch.full_like(f, torch.inf)), f)
+
+    return {
+        "codes": codes.to(torch.int8).contiguous(),
+        "scale": scale.contiguous(),
+        "wnorm": up(wnorm).contiguous(),
+        "resid": up(resid).contiguous(),
+    }
+
+
 def _as_rows(weight: torch.Tensor, paired: bool) -> torch.Tensor:
     """``weight`` ``[N, K]`` row-major: a copy read from the pairs when ``paired`` and ``_pairs_ok``
     (the kernel's layout), else ``weight`` itself."""
@@ -395,6 +435,12 @@ class FastLlama:
     250 / 272, 128 348 / 326, 256 676 / 548; int8 96 255 / 386, 128 354 / 344; bfloat16 96 253 /
     315, 128 335 / 358. Models of real size replace the one for their format per instance with the
     crossing measured once per machine (:func:`verispec.models.schedule.apply_prefill`)."""
+    screen_head: bool = os.environ.get("VERISPEC_NO_HEAD_SCREEN", "") in ("", "0")
+    """Whether ``from_hf`` gives a float32 model on the kernel a greedy screen of its head
+    (``_head_screen``; 28 MB more for SmolLM2-135M's 113 MB head): calls whose caller reads only the
+    argmax (``logits="argmax"``) then read the head's int8 codes and the float32 rows of a few
+    candidates instead of the whole float32 head, and return that head's own logits, bitwise, where
+    the maximum could lie (-inf elsewhere). ``VERISPEC_NO_HEAD_SCREEN=1`` turns it off."""
     pair_weights: bool = True
     """Whether ``from_hf`` hands the kernel its matrices (layers, embedding, head) pair-interleaved
     (``_interleave_pairs``): one stream per pair of weight rows, which one core reads near its full
@@ -545,16 +591,20 @@ class FastLlama:
         max_length = limit if max_length is None else min(int(max_length), limit)
         weights = _repack(hf_model, dtype, max_length)
         device = weights["embed"].device
-        if device.type == "cpu":
-            _onto_huge_pages(weights)
         if use_kernel is None:
             use_kernel = os.environ.get("VERISPEC_NO_KERNEL", "") in ("", "0")
         use_kernel = bool(use_kernel) and device.type == "cpu" and _load_kernel() is not None
+        if use_kernel and cls.screen_head and weights["head"].dtype == torch.float32:
+            weights["head_screen"] = _head_screen(weights["head"])
+        if device.type == "cpu":
+            _onto_huge_pages(weights)
         if use_kernel and cls.pair_weights:
             mats = [(layer, key) for layer in weights["layers"] for key in _LAYER_MATRICES]
             mats.append((weights, "embed"))
             if weights["head"] is not weights["embed"]:  # a tied head is the embedding's storage
                 mats.append((weights, "head"))
+            if "head_screen" in weights:
+                mats.append((weights["head_screen"], "codes"))
             for d, key in mats:
                 if _pairs_ok(d[key]):
                     _interleave_pairs(d[key])
@@ -588,6 +638,9 @@ class FastLlama:
                 lw["wqkv_scale"], lw["wo_scale"], lw["wgu_scale"], lw["wdown_scale"],
             )  # fmt: skip
         k.set_head(w["embed"], w["norm"], w["head"], w["embed_scale"], w["head_scale"])
+        if "head_screen" in w:
+            sc = w["head_screen"]
+            k.set_head_screen(sc["codes"], sc["scale"], sc["wnorm"], sc["resid"])
         k.set_rope(w["cos"], w["sin"])
         return k
 
@@ -627,8 +680,25 @@ class FastLlama:
         self._lengths = np.zeros(self._capacity, dtype=np.int64)
 
     def weight_bytes(self) -> int:
-        """Bytes of the weights one decode step reads (a tied head counts once; RoPE tables excluded)."""
+        """Bytes of the weights held (a tied head counts once; RoPE tables excluded; the head's
+        greedy screen included)."""
         return tensor_bytes({k: v for k, v in self._w.items() if k not in ("cos", "sin")})
+
+    def read_bytes(self, greedy: bool = False) -> int:
+        """Bytes of the weights a one-token decode step reads: all of them but the head's screen,
+        or with ``greedy`` and a screen (``screen_head``), all but the float32 head (a tied one is
+        the embedding, of which a step reads one row)."""
+        screen = self._w.get("head_screen")
+        if screen is None:
+            return self.weight_bytes()
+        if greedy:
+            return self.weight_bytes() - tensor_bytes(self._w["head"])
+        return self.weight_bytes() - tensor_bytes(screen)
+
+    def screen_counts(self) -> tuple[int, int]:
+        """``(rows, whole)``: rows of logits screened so far, and how many of them took the whole
+        head (too many candidates); ``(0, 0)`` without a screen."""
+        return tuple(self._kernel.screen_counts()) if self._kernel is not None else (0, 0)
 
     def cache_bytes(self) -> int:
         """Bytes of the preallocated key/value caches (all slots, the whole context)."""
@@ -663,10 +733,12 @@ class FastLlama:
         chain. None is the causal chain (``offsets[i, t] = t``). After a tree call,
         :meth:`keep_path` moves the accepted tokens into place.
 
-        Returns ``[n, T, V]`` for "all", ``[n, V]`` for "last", None for "none"; float32.
+        Returns ``[n, T, V]`` for "all" and "argmax", ``[n, V]`` for "last", None for "none";
+        float32. "argmax" calls on the kernel with a head screen (``screen_head``) hold the head's
+        own logits only where each position's maximum could lie, -inf elsewhere.
         """
-        if logits not in ("all", "last", "none"):
-            raise ValueError(f"logits must be 'all', 'last' or 'none', not {logits!r}")
+        if logits not in ("all", "argmax", "last", "none"):
+            raise ValueError(f"logits must be 'all', 'argmax', 'last' or 'none', not {logits!r}")
         rows_np = self._row_array(rows)  # [n]
         ids = torch.as_tensor(input_ids)
         if ids.dtype != torch.int64:
@@ -749,7 +821,7 @@ class FastLlama:
         return idx
 
     def _empty_logits(self, n: int, logits: LogitsMode) -> torch.Tensor:
-        shape = (n, 0, self.vocab_size) if logits == "all" else (n, self.vocab_size)
+        shape = (n, 0, self.vocab_size) if logits in ("all", "argmax") else (n, self.vocab_size)
         return torch.zeros(shape)
 
     def _forward_kernel(
@@ -769,12 +841,15 @@ class FastLlama:
         wanted = logit_rows(n, T, logits)
         flat = ids.reshape(-1).contiguous()
         ctx = None if offsets is None else torch.from_numpy((first + offsets.numpy()).reshape(-1))  # [n*T]
-        out = self._threads.run(lambda: self._kernel.forward(flat, slots, pos, wanted, ctx), tokens=n * T)
+        screen = logits == "argmax"
+        out = self._threads.run(
+            lambda: self._kernel.forward(flat, slots, pos, wanted, ctx, argmax_only=screen), tokens=n * T
+        )
         if self._record_hidden:
             self.last_hidden = self._kernel.last_hidden().view(n, T, -1)
         if logits == "none":
             return None
-        return out.view(n, T, -1) if logits == "all" else out
+        return out.view(n, T, -1) if logits in ("all", "argmax") else out
 
     def _in_pieces(
         self,
@@ -791,7 +866,7 @@ class FastLlama:
         pieces, hidden = [], []
         for c0 in range(0, T, size):
             c1 = min(T, c0 + size)
-            mode: LogitsMode = logits if (logits == "all" or c1 == T) else "none"
+            mode: LogitsMode = logits if (logits in ("all", "argmax") or c1 == T) else "none"
             out = forward(ids[:, c0:c1], idx, starts + c0, mode)
             if out is not None:
                 pieces.append(out)
@@ -1025,6 +1100,8 @@ def _onto_huge_pages(weights: dict[str, Any]) -> None:
     tied = weights["head"] is weights["embed"]
     if not tied:
         slots.append((weights, "head"))
+    if "head_screen" in weights:
+        slots.append((weights["head_screen"], "codes"))
     sizes = [-(-d[k].numel() * d[k].element_size() // 64) * 64 for d, k in slots]
     raw = huge_page_bytes(sum(sizes))
     if raw is None:

@@ -55,7 +55,7 @@ class HFModel:
             keep = 1 if logits == "last" else 0  # 0 = all positions (transformers' convention)
             out = self.model(input_ids=ids, cache=self._caches[row], use_cache=True, logits_to_keep=keep)
             self._lengths[row] += ids.shape[1]
-            if logits == "all":
+            if logits in ("all", "argmax"):  # "argmax": the whole logits are a valid answer
                 outs.append(_float(out.logits[0]))  # [T, V]
             elif logits == "last":
                 outs.append(_float(out.logits[0, -1]))  # [V]

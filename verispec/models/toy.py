@@ -56,7 +56,7 @@ class LogitsModel:
             if logits == "none":
                 continue
             full = self.fn.logits(self._tokens[row])  # [seq, V]
-            outs.append(full[-t:] if logits == "all" else full[-1])
+            outs.append(full[-t:] if logits in ("all", "argmax") else full[-1])
         return None if logits == "none" else torch.stack(outs)
 
     def truncate(self, lengths: torch.Tensor | Sequence[int], rows: list[int] | None = None) -> None:
