@@ -108,8 +108,53 @@ def test_prefill_crossing_is_where_the_two_lines_meet() -> None:
     assert schedule.prefill_crossing(_times({48: 1.0, 160: 3.0}, {48: 0.9, 160: 1.2})) == 40
     assert schedule.prefill_crossing(_times({48: 1.0, 160: 3.0}, {48: 0.3, 160: 0.6})) == 16
     # the kernel ahead and gaining: as far as the limit allows
-    assert schedule.prefill_crossing(_times({48: 0.5, 160: 1.0}, {48: 1.0, 160: 2.0})) == 512
+    assert schedule.prefill_crossing(_times({48: 0.5, 160: 1.0}, {48: 1.0, 160: 2.0})) == 2048
     assert schedule.prefill_crossing(_times({48: 1.0, 160: 2.0}, {48: 0.5, 160: 1.0})) == 16
+
+
+def test_measure_crossing_times_a_long_prompt_when_the_kernel_leads_past_the_sizes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # kernel 0.1 s + 1 ms per token; torch 0.3 s + 1 ms per token up to 256 tokens, then 0.7 ms per
+    # token: the short lines never meet, the long ones at 256 + 0.2 / 0.0003 = 922.7 tokens
+    def kernel(t: int) -> float:
+        return 0.1 + 0.001 * t
+
+    def torch_path(t: int) -> float:
+        return 0.3 + 0.001 * t if t <= 256 else 0.3 + 0.001 * 256 + 0.0007 * (t - 256)
+
+    asked: list[tuple[int, ...]] = []
+
+    def measure_prefill(model, sizes=schedule.PREFILL_SIZES, rounds: int = 3):
+        asked.append(tuple(sizes))
+        return _times({t: kernel(t) for t in sizes}, {t: torch_path(t) for t in sizes})
+
+    monkeypatch.setattr(schedule, "measure_prefill", measure_prefill)
+    model = _Model(schedule.MIN_TUNED_BYTES)
+    assert schedule.measure_crossing(model) == 920  # rounded down to a multiple of 8
+    assert asked == [schedule.PREFILL_SIZES, (schedule.PREFILL_LONG,)]
+    model.max_length = 512  # a model that holds no more: the long length is its own
+    asked.clear()
+    schedule.measure_crossing(model)
+    assert asked == [schedule.PREFILL_SIZES, (512,)]
+    model.max_length = max(schedule.PREFILL_SIZES)  # nothing longer to time: the short lines decide
+    asked.clear()
+    assert schedule.measure_crossing(model) == schedule.PREFILL_LIMITS[1]
+    assert asked == [schedule.PREFILL_SIZES]
+
+
+def test_measure_crossing_stops_at_the_sizes_when_the_lines_meet_among_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    asked: list[tuple[int, ...]] = []
+
+    def measure_prefill(model, sizes=schedule.PREFILL_SIZES, rounds: int = 3):
+        asked.append(tuple(sizes))
+        return _times({64: 0.2, 256: 0.7}, {64: 0.31, 256: 0.61})  # the lines meet at 169.6 tokens
+
+    monkeypatch.setattr(schedule, "measure_prefill", measure_prefill)
+    assert schedule.measure_crossing(_Model(schedule.MIN_TUNED_BYTES)) == 168
+    assert asked == [schedule.PREFILL_SIZES]
 
 
 @pytest.fixture

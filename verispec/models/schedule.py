@@ -25,7 +25,12 @@ the Xeon, min of 5, kernel / torch ms): float32 128 tokens 249 / 272, 192 381 / 
 crossed near 64-96 for all three. With pieces of 64 (session 17, the Xeon, min of 4): float32
 128 tokens 188 / 323, 256 474 / 535, 384 750 / 761; int8 128 172 / 161. :func:`apply_prefill`
 times both paths at two prompt lengths and puts the crossing where the two lines meet, cached like
-the schedule; ``VERISPEC_KERNEL_PREFILL_MAX`` (a number of tokens, or ``auto``) overrides it.
+the schedule; ``VERISPEC_KERNEL_PREFILL_MAX`` (a number of tokens, or ``auto``) overrides it. Where
+the kernel is still ahead at the longer length and the lines meet past it, it times both paths at
+:data:`PREFILL_LONG` tokens too and takes the crossing from the two longer lengths: on the 2-core
+EPYC of session 20 the kernel led at every length (float32, min of 4, kernel / torch ms: 256
+tokens 370 / 517, 512 784 / 1059, 769 1176 / 1362), where the limit of 512 tokens had sent
+Spec-Bench's summarization and rag prompts (660-769 tokens) to the slower torch path.
 """
 
 from __future__ import annotations
@@ -59,16 +64,21 @@ PREFILL_ENV = "VERISPEC_KERNEL_PREFILL_MAX"
 PREFILL_SIZES = (64, 256)
 """Prompt lengths :func:`measure_prefill` times: short chat prompts and the long end of the range
 where the two paths are close (160 until session 17, when float32 crossed near 400 tokens)."""
-PREFILL_KEY = "prefill-v4|"
+PREFILL_LONG = 1024
+"""The third length :func:`apply_prefill` times when the kernel still leads at the longest of
+:data:`PREFILL_SIZES` and the lines meet past it (at most the model's ``max_length``)."""
+PREFILL_KEY = "prefill-v5|"
 """Prefix of the cached crossings' keys, changed whenever either path's cost changes so that every
 machine measures again. v3 (session 17): the torch path copies paired matrices in the kernel
 (SmolLM2-135M's layers, float32 62-69 -> 43-49 ms, int8 to bfloat16 37-51 -> 18-20 ms), and the
 kernel takes prompts in pieces of 64 tokens instead of 16 (float32 128 tokens 321 -> 188 ms). v4
 (session 18): those copies of float32 bypass the caches (within a 210-token float32 prefill, 76-92
--> 46-62 ms)."""
-PREFILL_LIMITS = (16, 512)
+-> 46-62 ms). v5 (session 20): crossings past the measured lengths are measured at
+:data:`PREFILL_LONG`, and may lie up to 2048 tokens."""
+PREFILL_LIMITS = (16, 2048)
 """The crossing :func:`prefill_crossing` returns lies in this range: below the kernel's own call
-size a prompt is one kernel call anyway, and far past the measured lengths a line is a guess."""
+size a prompt is one kernel call anyway, and far past the measured lengths (at most twice the
+longest, :data:`PREFILL_LONG`) a line is a guess."""
 
 MIN_TUNED_BYTES = 64 * 2**20
 """Models whose weights are smaller keep :data:`DEFAULT` untimed: they stay in the caches, where the
@@ -234,11 +244,28 @@ def prefill_crossing(times: dict[str, dict[int, list[float]]]) -> int:
     return int(min(hi, max(lo, t0 + gap0 / slope))) // 8 * 8
 
 
+def measure_crossing(model: Any) -> int:
+    """The prompt length up to which the kernel is faster on ``model`` (a kernel ``FastLlama``, its
+    cache empty): :func:`prefill_crossing` of :func:`measure_prefill` at :data:`PREFILL_SIZES`; if
+    that lies past the longest of them, again from the longest and :data:`PREFILL_LONG` (or the
+    model's ``max_length``, if shorter), since a line drawn through short prompts says little of
+    long ones."""
+    times = measure_prefill(model)
+    crossing = prefill_crossing(times)
+    longest = max(PREFILL_SIZES)
+    long = min(PREFILL_LONG, int(getattr(model, "max_length", PREFILL_LONG)))
+    if crossing <= longest or long <= longest:
+        return crossing
+    more = measure_prefill(model, (long,))
+    pair = {path: {longest: times[path][longest], long: more[path][long]} for path in times}
+    return prefill_crossing(pair)
+
+
 def apply_prefill(model: Any) -> int:
     """Set ``model.kernel_prefill_max`` for its weight format (a kernel ``FastLlama``, its cache
     empty) and return it: ``VERISPEC_KERNEL_PREFILL_MAX`` if set to a number, the class's default
     for small models, else the cached crossing for this CPU, format and size, else
-    :func:`measure_prefill` then :func:`prefill_crossing`, cached."""
+    :func:`measure_crossing`, cached."""
     from verispec.config import ConfigError
 
     wanted = os.environ.get(PREFILL_ENV, "auto") or "auto"
@@ -255,7 +282,7 @@ def apply_prefill(model: Any) -> int:
         value = _cached(
             PREFILL_KEY + _key(model),
             lambda v: isinstance(v, int) and v >= 0,
-            lambda: prefill_crossing(measure_prefill(model)),
+            lambda: measure_crossing(model),
         )
     model.kernel_prefill_max = {**model.kernel_prefill_max, model.dtype: value}
     return value
