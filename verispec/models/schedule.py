@@ -28,7 +28,7 @@ times both paths at two prompt lengths and puts the crossing where the two lines
 the schedule; ``VERISPEC_KERNEL_PREFILL_MAX`` (a number of tokens, or ``auto``) overrides it. Where
 the kernel is still ahead at the longer length and the lines meet past it, it times both paths at
 :data:`PREFILL_LONG` tokens too and takes the crossing from the two longer lengths: on the 2-core
-EPYC of session 20 the kernel led at every length (float32, min of 4, kernel / torch ms: 256
+EPYC of session 20 the kernel led at every length (float32, min of 3, kernel / torch ms: 256
 tokens 370 / 517, 512 784 / 1059, 769 1176 / 1362), where the limit of 512 tokens had sent
 Spec-Bench's summarization and rag prompts (660-769 tokens) to the slower torch path.
 """
