@@ -27,9 +27,11 @@ class _Kernel:
 
 
 class _Model:
-    """What ``apply`` reads of a FastLlama: its kernel, dtype and weight size."""
+    """What ``apply`` and ``measure_crossing`` read of a FastLlama: its kernel, dtype, context cap and
+    weight size."""
 
     dtype = "int8"
+    max_length = 8192
 
     def __init__(self, size: int) -> None:
         self._kernel = _Kernel()

@@ -65,7 +65,7 @@ PREFILL_SIZES = (64, 256)
 """Prompt lengths :func:`measure_prefill` times: short chat prompts and the long end of the range
 where the two paths are close (160 until session 17, when float32 crossed near 400 tokens)."""
 PREFILL_LONG = 1024
-"""The third length :func:`apply_prefill` times when the kernel still leads at the longest of
+"""The third length :func:`measure_crossing` times when the kernel still leads at the longest of
 :data:`PREFILL_SIZES` and the lines meet past it (at most the model's ``max_length``)."""
 PREFILL_KEY = "prefill-v5|"
 """Prefix of the cached crossings' keys, changed whenever either path's cost changes so that every
@@ -75,7 +75,7 @@ kernel takes prompts in pieces of 64 tokens instead of 16 (float32 128 tokens 32
 (session 18): those copies of float32 bypass the caches (within a 210-token float32 prefill, 76-92
 -> 46-62 ms). v5 (session 20): crossings past the measured lengths are measured at
 :data:`PREFILL_LONG`, and may lie up to 2048 tokens."""
-PREFILL_LIMITS = (16, 2048)
+PREFILL_LIMITS = (16, 2 * PREFILL_LONG)
 """The crossing :func:`prefill_crossing` returns lies in this range: below the kernel's own call
 size a prompt is one kernel call anyway, and far past the measured lengths (at most twice the
 longest, :data:`PREFILL_LONG`) a line is a guess."""
@@ -253,7 +253,7 @@ def measure_crossing(model: Any) -> int:
     times = measure_prefill(model)
     crossing = prefill_crossing(times)
     longest = max(PREFILL_SIZES)
-    long = min(PREFILL_LONG, int(getattr(model, "max_length", PREFILL_LONG)))
+    long = min(PREFILL_LONG, int(model.max_length))
     if crossing <= longest or long <= longest:
         return crossing
     more = measure_prefill(model, (long,))
