@@ -158,3 +158,29 @@ def test_gemma_draft_for_default_target_is_refused():
     res = run("generate", "hi", "--draft-model", "gemma3-270m", timeout=600)
     assert res.returncode == 2
     assert "tokenizers differ" in res.stderr
+
+
+@pytest.mark.parametrize(
+    ("calls", "drafted", "acceptance", "per_call", "warns"),
+    [
+        (53, 46, 0.26, 1.23, False),  # the default drafters: low acceptance, over one token per call
+        (40, 120, 0.3, 1.9, False),
+        (60, 240, 0.02, 1.05, True),  # every call verified drafts, hardly any were accepted
+        (62, 5, 0.2, 1.02, False),  # prompt lookup rarely matched: few drafts, little wasted
+        (64, 0, 0.0, 1.0, False),
+        (0, 0, 0.0, 0.0, False),
+    ],
+)
+def test_speculation_hint_only_when_drafting_did_not_pay(calls, drafted, acceptance, per_call, warns):
+    from verispec.commands.generate import speculation_hint
+
+    stats = {
+        "target_calls": calls,
+        "draft_tokens": drafted,
+        "acceptance_rate": acceptance,
+        "mean_accepted_length": per_call,
+    }
+    hint = speculation_hint(stats)
+    assert (hint is not None) == warns
+    if warns:
+        assert "1.05 tokens per target call" in hint and "-k 0" in hint
