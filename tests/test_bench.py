@@ -10,7 +10,13 @@ import pytest
 
 from verispec.adaptive import expected_speedup
 from verispec.bench.cli import build_configs
-from verispec.bench.measure import conditional_acceptance, draft_fraction, predicted_speedup
+from verispec.bench.measure import (
+    conditional_acceptance,
+    draft_fraction,
+    draft_lengths,
+    predicted_speedup,
+    predicted_speedup_by_length,
+)
 from verispec.bench.methods import MethodConfig
 from verispec.bench.prompts import default_prompts_path, load_prompts, select
 from verispec.cli import main
@@ -195,6 +201,37 @@ def test_expected_speedup_model():
     assert predicted_speedup(0.8, 4, 0.0, 1.2, fraction=0.0) == 1.0
     # half the steps draft 2 tokens, always accepted, free verification: (3 + 1) / (1 + 1) tokens per cost
     assert predicted_speedup(1.0, 2, 0.0, 1.0, fraction=0.5) == pytest.approx(2.0, rel=1e-4)
+
+
+def test_prediction_from_the_draft_lengths_verified():
+    verify = {1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15, 5: 1.2}
+    # every call drafts k = 4: the fixed-length formula
+    assert predicted_speedup_by_length(0.7, [0, 10], 0.05, verify) is not None
+    assert predicted_speedup_by_length(0.7, [0, 0, 0, 0, 10], 0.05, verify) == pytest.approx(
+        predicted_speedup(0.7, 4, 0.05, 1.2)
+    )
+    # half the calls plain, half drafting 4: the formula with f = 1/2
+    assert predicted_speedup_by_length(0.7, [5, 0, 0, 0, 5], 0.05, verify) == pytest.approx(
+        predicted_speedup(0.7, 4, 0.05, 1.2, fraction=0.5)
+    )
+    # mixed lengths, by hand: 2 calls of 1 token (1 + a tokens at cost c + v(2)) and 1 call of 3
+    a, c = 0.5, 0.1
+    tokens = 2 * (1 + a) + (1 + a + a**2 + a**3)
+    cost = 2 * (c + 1.05) + (3 * c + 1.15)
+    assert predicted_speedup_by_length(a, [0, 2, 0, 1], c, verify) == pytest.approx(tokens / cost)
+    # a length whose verify cost was not measured: no prediction; nothing drafted: plain decoding
+    assert predicted_speedup_by_length(a, [0, 0, 0, 0, 0, 1], c, verify) is None
+    assert predicted_speedup_by_length(a, [7], c, verify) == 1.0
+
+
+def test_draft_lengths_from_positions_reached():
+    stats = GenerationStats()
+    stats.record_step(4, 1)
+    stats.record_step(2, 2)
+    stats.record_step(0, 0)
+    stats.record_step(2, 0)
+    stats.record_step(1, 1)
+    assert draft_lengths(stats) == [1, 1, 2, 0, 1]  # no draft, one of 1, two of 2, one of 4
 
 
 def test_conditional_acceptance_counts_only_reached_positions():

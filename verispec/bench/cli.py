@@ -20,13 +20,13 @@ import torch
 from verispec.bench.measure import (
     bandwidth_probe,
     conditional_acceptance,
-    draft_fraction,
+    draft_lengths,
     forward_seconds,
     load_average,
     lookup_seconds,
     machine_info,
     memory_bandwidth,
-    predicted_speedup,
+    predicted_speedup_by_length,
     verify_costs,
     weight_bytes,
 )
@@ -317,7 +317,8 @@ def run(args: argparse.Namespace) -> int:
     device = getattr(next(iter(targets.values())), "device", "cpu")
     probe = bandwidth_probe(device=device)  # one 512 MiB tensor for every reading of the run
     bandwidth_before = memory_bandwidth(probe=probe)
-    widths = sorted({1, 5, *(k + 1 for k in ks)})  # 5: verify_cost_ratio; k + 1: each k's prediction
+    # 5: verify_cost_ratio; 2 .. k + 1: the predictions, from the draft lengths each k verified
+    widths = sorted({1, 5, *range(2, max(ks, default=0) + 2)})
     costs = {d: verify_costs(t, widths, greedy=sampling.greedy) for d, t in targets.items()}
     draft_cost: dict[tuple[str, str], float] = {}
     for d, t in targets.items():
@@ -329,15 +330,13 @@ def run(args: argparse.Namespace) -> int:
     def predict(cfg: MethodConfig, stats: GenerationStats) -> float | None:
         if cfg.method not in OURS or cfg.adaptive:
             return None
-        v = costs[cfg.dtype].get(cfg.k + 1)
-        if v is None or (cfg.method, cfg.dtype) not in draft_cost:  # (an EAGLE head's cost: not timed)
+        if (cfg.method, cfg.dtype) not in draft_cost:  # (an EAGLE head's cost: not timed)
             return None
-        return predicted_speedup(
+        return predicted_speedup_by_length(
             conditional_acceptance(stats),
-            cfg.k,
+            draft_lengths(stats),
             draft_cost[(cfg.method, cfg.dtype)],
-            v,
-            draft_fraction(stats),
+            costs[cfg.dtype],
         )
 
     say(f"running {len(configs)} configurations on {len(prompts)} prompts, interleaved")

@@ -7,6 +7,13 @@ k + 1 tokens, both relative to one plain target step, a drafting step yields
 ``(1 - a^(k+1)) / (1 - a)`` tokens at cost ``k c + v(k)``. A drafter that sometimes finds nothing
 (prompt lookup) runs plain steps in between: with a fraction ``f`` of steps drafting, the speedup is
 ``(f T + 1 - f) / (f (k c + v) + 1 - f)``, which is the paper's formula when ``f = 1``.
+
+A drafter that chooses its own draft length below k (prompt lookup, cut by measured cost; a draft
+model below its confidence threshold) verifies shorter chains than k most of the time, so the bench
+predicts from the lengths it actually drafted (:func:`predicted_speedup_by_length`): each target
+call that verified L draft tokens counts ``(1 - a^(L+1)) / (1 - a)`` tokens at cost ``L c + v(L)``,
+and a call with no draft one token at cost 1. With every call drafting k tokens this is the formula
+above.
 """
 
 from __future__ import annotations
@@ -198,6 +205,40 @@ def draft_fraction(stats: GenerationStats) -> float:
     if not stats.target_calls or not stats.drafted_per_position:
         return 0.0
     return stats.drafted_per_position[0] / stats.target_calls
+
+
+def draft_lengths(stats: GenerationStats) -> list[int]:
+    """Target calls by the length of the draft chain they verified: ``[n_0, n_1, .., n_K]``, n_0 the
+    calls that verified no draft (from ``drafted_per_position``: a chain that reached position i
+    reached every position before it)."""
+    reached = stats.drafted_per_position
+    counts = [stats.target_calls - (reached[0] if reached else 0)]
+    for i, n in enumerate(reached):
+        counts.append(n - (reached[i + 1] if i + 1 < len(reached) else 0))
+    return counts
+
+
+def predicted_speedup_by_length(
+    acceptance: float, lengths: list[int], draft_cost: float, verify_cost: dict[int, float]
+) -> float | None:
+    """Decode speedup over plain steps predicted from the draft lengths verified (``lengths`` as
+    :func:`draft_lengths` gives them; ``verify_cost[T]``: a forward over T tokens relative to one).
+    None when a length's verify cost was not measured."""
+    tokens = cost = 0.0
+    for length, calls in enumerate(lengths):
+        if calls <= 0:
+            continue
+        if length == 0:
+            tokens += calls
+            cost += calls
+            continue
+        v = verify_cost.get(length + 1)
+        if v is None:
+            return None
+        a = min(max(acceptance, 0.0), 0.999999)
+        tokens += calls * (1 - a ** (length + 1)) / (1 - a)
+        cost += calls * (length * draft_cost + v)
+    return tokens / cost if cost > 0 else 1.0
 
 
 def predicted_speedup(
