@@ -132,11 +132,12 @@ def plot_all(results: dict, out: Path) -> list[Path]:
     ax.set_title("Acceptance by draft position (all prompts)")
     paths.append(_save(fig, ax, out / "acceptance_by_position.png"))
 
-    # 3. speedup against k, measured (solid) and predicted (dashed); adaptive as a marker.
+    # 3. decode speedup against k, measured (solid) and predicted (dashed), the prediction being of
+    # decoding alone; adaptive as a marker.
     fig, ax = plt.subplots(figsize=(7, 4))
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        if r["category"] == ALL and r["num_speculative_tokens"] and r["speedup"] is not None:
+        if r["category"] == ALL and r["num_speculative_tokens"] and r.get("decode_speedup") is not None:
             groups.setdefault((r["method"], r["dtype"], r["adaptive"]), []).append(r)
     for (method, dtype, adaptive), rs in groups.items():
         rs.sort(key=lambda r: r["num_speculative_tokens"])
@@ -145,14 +146,14 @@ def plot_all(results: dict, out: Path) -> list[Path]:
         if adaptive:
             ax.plot(
                 ks,
-                [r["speedup"] for r in rs],
+                [r["decode_speedup"] for r in rs],
                 marker="*",
                 markersize=12,
                 linestyle="none",
                 label=f"{name} adaptive (start k)",
             )
             continue
-        (line,) = ax.plot(ks, [r["speedup"] for r in rs], marker="o", label=f"{name} measured")
+        (line,) = ax.plot(ks, [r["decode_speedup"] for r in rs], marker="o", label=f"{name} measured")
         pred = [r.get("predicted_speedup") for r in rs]
         if any(p is not None for p in pred):
             ax.plot(
@@ -160,12 +161,12 @@ def plot_all(results: dict, out: Path) -> list[Path]:
                 [p if p is not None else float("nan") for p in pred],
                 linestyle="--",
                 color=line.get_color(),
-                label=f"{name} predicted (decode)",
+                label=f"{name} predicted",
             )
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xlabel("draft length k")
-    ax.set_ylabel("speedup (all prompts)")
-    ax.set_title("Speedup against k")
+    ax.set_ylabel("decode speedup (all prompts)")
+    ax.set_title("Decode speedup against k: measured and predicted")
     paths.append(_save(fig, ax, out / "speedup_vs_k.png"))
     return paths
 
