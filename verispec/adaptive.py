@@ -11,13 +11,17 @@ from __future__ import annotations
 from verispec.engine import SequenceState
 
 
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Expected tokens from verifying a draft of k tokens: ``(1 - a^(k+1)) / (1 - a)``."""
+    a = min(max(acceptance, 0.0), 0.999999)
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
 def expected_speedup(acceptance: float, k: int, draft_cost: float, verify_cost: float = 1.0) -> float:
     """Expected tokens per unit of target-step time, relative to plain decoding."""
     if k == 0:
         return 1.0
-    a = min(max(acceptance, 0.0), 0.999999)
-    tokens = (1 - a ** (k + 1)) / (1 - a)
-    return tokens / (k * draft_cost + verify_cost)
+    return expected_tokens(acceptance, k) / (k * draft_cost + verify_cost)
 
 
 def best_k(acceptance: float, draft_cost: float, verify_cost=lambda k: 1.0, k_max: int = 16) -> int:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from verispec.adaptive import expected_speedup
+from verispec.adaptive import expected_tokens
 from verispec.models.pages import huge_page_bytes
 from verispec.models.schedule import cpu_name
 from verispec.stats import GenerationStats
@@ -219,24 +219,23 @@ def draft_lengths(stats: GenerationStats) -> list[int]:
 
 
 def predicted_speedup_by_length(
-    acceptance: float, lengths: list[int], draft_cost: float, verify_cost: dict[int, float]
+    acceptance: float, lengths: list[float], draft_cost: float, verify_cost: dict[int, float]
 ) -> float | None:
     """Decode speedup over plain steps predicted from the draft lengths verified (``lengths`` as
-    :func:`draft_lengths` gives them; ``verify_cost[T]``: a forward over T tokens relative to one).
-    None when a length's verify cost was not measured."""
+    :func:`draft_lengths` gives them, or any weights per length; ``verify_cost[T]``: a forward over T
+    tokens relative to one). None when a length's verify cost was not measured."""
     tokens = cost = 0.0
     for length, calls in enumerate(lengths):
         if calls <= 0:
             continue
-        if length == 0:
+        if length == 0:  # a plain step: one token at the cost of one
             tokens += calls
             cost += calls
             continue
         v = verify_cost.get(length + 1)
         if v is None:
             return None
-        a = min(max(acceptance, 0.0), 0.999999)
-        tokens += calls * (1 - a ** (length + 1)) / (1 - a)
+        tokens += calls * expected_tokens(acceptance, length)
         cost += calls * (length * draft_cost + v)
     return tokens / cost if cost > 0 else 1.0
 
@@ -244,10 +243,9 @@ def predicted_speedup_by_length(
 def predicted_speedup(
     acceptance: float, k: int, draft_cost: float, verify_cost: float, fraction: float = 1.0
 ) -> float:
-    """Decode speedup over plain steps predicted by the model in the module docstring."""
+    """Decode speedup over plain steps predicted by the model in the module docstring: a fraction
+    ``fraction`` of the calls verifying k draft tokens, the others plain steps."""
     if k == 0 or fraction <= 0:
         return 1.0
-    step = expected_speedup(acceptance, k, draft_cost, verify_cost)  # tokens / cost of one drafting step
-    cost = k * draft_cost + verify_cost
-    tokens = step * cost
-    return (fraction * tokens + 1 - fraction) / (fraction * cost + 1 - fraction)
+    lengths = [1 - fraction] + [0.0] * (k - 1) + [fraction]
+    return predicted_speedup_by_length(acceptance, lengths, draft_cost, {k + 1: verify_cost})

@@ -106,16 +106,16 @@ def speculation_hint(stats: dict) -> str | None:
 
     A low acceptance rate alone is no sign of that: the engine drafts as far as each token's
     estimated chance of acceptance pays, so the default drafters run at 20-35% acceptance while
-    making 1.3-1.9 tokens per target call. What costs is verifying drafts that make hardly more than
+    making 1.2-1.9 tokens per target call. What costs is verifying drafts that make hardly more than
     one token per call: at least one draft token per call on average and fewer than
     :data:`WASTED_TOKENS_PER_CALL` tokens per call.
     """
-    calls, drafted = stats.get("target_calls", 0), stats.get("draft_tokens", 0)
-    if not calls or drafted < calls or stats.get("mean_accepted_length", 0.0) >= WASTED_TOKENS_PER_CALL:
+    calls, drafted, per_call = stats["target_calls"], stats["draft_tokens"], stats["mean_accepted_length"]
+    if not calls or drafted < calls or per_call >= WASTED_TOKENS_PER_CALL:
         return None
     return (
-        f"speculation made {stats['mean_accepted_length']:.2f} tokens per target call "
-        f"({100 * stats.get('acceptance_rate', 0.0):.0f}% of {drafted} draft tokens accepted): it did not "
+        f"speculation made {per_call:.2f} tokens per target call "
+        f"({100 * stats['acceptance_rate']:.0f}% of {drafted} draft tokens accepted): it did not "
         "pay here; try --prompt-lookup, another --draft-model, or -k 0 for plain decoding"
     )
 
