@@ -54,6 +54,12 @@ def bench_prompts(categories: list[str], count: int) -> list[str]:
     return [chosen[i % len(chosen)][i // len(chosen) % len(chosen[i % len(chosen)])] for i in range(count)]
 
 
+def lookup_only(args: argparse.Namespace) -> bool:
+    """Whether the runs draft by prompt lookup alone: no ``--speculative-model`` and no
+    ``--default-drafter`` (the server's and ``generate``'s own choice when no drafter is named)."""
+    return args.speculative_model is None and not args.default_drafter
+
+
 # ----- crossover: the engine alone -----
 
 
@@ -69,13 +75,17 @@ def crossover(args: argparse.Namespace) -> None:
     torch.set_grad_enabled(False)
     biggest = max(args.batch)
     target = load_model(args.model, max_batch_size=biggest, max_length=args.max_model_len)
-    proposer = build_proposer(
-        target, args.speculative_model, args.speculative_model is None, max_batch_size=biggest
-    )
+    proposer = build_proposer(target, args.speculative_model, lookup_only(args), max_batch_size=biggest)
     tok = target.tokenizer
     texts = bench_prompts(args.categories, biggest)
     prompts = [encode_prompt(tok, t, chat=target.instruct)[-args.max_prompt_tokens :] for t in texts]
     rows = []
+    for k in args.k:  # warm-up, uncounted: the first calls of a process run slower
+        engine = Engine(target, proposer if k else None, eos_token_ids=target.eos_token_ids)
+        greedy = SamplingConfig(temperature=0)
+        warm = GenerationConfig(max_new_tokens=8, num_speculative_tokens=k, sampling=greedy, ignore_eos=True)
+        for _ in engine.run([engine.new_sequence(prompts[0], warm)]):
+            pass
     for batch in args.batch:
         base = None
         for k in args.k:
@@ -159,7 +169,10 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         "--dtype",
         args.dtype,
     ]
-    cmd += ["--speculative-model", args.speculative_model] if args.speculative_model else ["--prompt-lookup"]
+    if args.speculative_model:
+        cmd += ["--speculative-model", args.speculative_model]
+    elif not args.default_drafter:
+        cmd += ["--prompt-lookup"]
     if args.batch_policy:
         cmd += ["--batch-policy", args.batch_policy]
     proc = subprocess.Popen(cmd)
@@ -285,9 +298,7 @@ def compare(args: argparse.Namespace) -> None:
     if not texts:
         raise SystemExit(f"no prompts in categories {args.categories}")
     target = load_model(args.model, max_length=args.max_model_len, dtype=args.dtype)
-    proposer = build_proposer(
-        target, args.speculative_model, args.speculative_model is None, dtype=args.dtype
-    )
+    proposer = build_proposer(target, args.speculative_model, lookup_only(args), dtype=args.dtype)
     ids = [encode_prompt(target.tokenizer, t, chat=target.instruct) for t in texts]
     proc, url = start_server(argparse.Namespace(**{**vars(args), "clients": [1]}))
     client = httpx.Client(timeout=600)
@@ -363,6 +374,12 @@ def main() -> None:
         s = sub.add_parser(name)
         s.add_argument("--model", default="default")
         s.add_argument("--speculative-model", default=None, help="draft model (default: prompt lookup)")
+        s.add_argument(
+            "--default-drafter",
+            action="store_true",
+            help="draft as the server does when no drafter is named (lookup first with the shipped "
+            "draft behind it; prompt lookup alone for int8) instead of prompt lookup alone",
+        )
         s.add_argument("--max-tokens", type=int, default=64)
         s.add_argument("--max-model-len", type=int, default=2048)
         s.add_argument("--categories", nargs="+", default=["summarization", "rag", "mt_bench", "qa"])
