@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -70,6 +71,22 @@ def test_apply_measures_once_per_machine_and_format_then_reads_the_cache(timed, 
     other = _Model(model.size + 1)  # another model size is measured on its own
     schedule.apply(other)
     assert len(timed) == 2
+
+
+def test_a_measurement_is_announced_and_a_cached_choice_is_not(timed, prefill_timed, caplog) -> None:
+    """A first run sits for seconds timing the machine: it says what it times, and only then."""
+    model = _Model(schedule.MIN_TUNED_BYTES)
+    with caplog.at_level(logging.WARNING, logger="verispec"):
+        schedule.apply(model)
+        schedule.apply_prefill(model)
+    notes = [r.getMessage() for r in caplog.records]
+    assert len(notes) == 2 and all("on this machine once" in n and "kernel_schedule.json" in n for n in notes)
+    assert "reading int8 weights" in notes[0] and "int8 prompts" in notes[1]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="verispec"):
+        schedule.apply(_Model(model.size))
+        schedule.apply_prefill(_Model(model.size))
+    assert not caplog.records and len(timed) == 1 and len(prefill_timed) == 1
 
 
 def test_small_models_keep_the_default_untimed(timed) -> None:

@@ -126,6 +126,8 @@ def _load_kernel() -> Any:
         name = f"verispec_fast_llama_{digest}"
         build = Path(os.environ.get("VERISPEC_CACHE", Path.home() / ".cache" / "verispec")) / name
         build.mkdir(parents=True, exist_ok=True)
+        if not any(build.glob(f"{name}*.so")):
+            logger.warning("compiling the fast kernel once (about a minute; cached in %s)", build)
         _kernel_module = load(
             name=name,
             sources=[str(_SRC)],

@@ -169,11 +169,15 @@ def _key(model: Any) -> str:
     return f"{cpu_name()}|{model.dtype}|{model.weight_bytes()}|{torch.get_num_threads()} threads"
 
 
-def _cached(key: str, valid: Callable[[Any], bool], choose: Callable[[], T]) -> T:
-    """The cached choice under ``key`` if ``valid`` accepts it, else ``choose()``, cached."""
+def _cached(key: str, valid: Callable[[Any], bool], choose: Callable[[], T], what: str, takes: str) -> T:
+    """The cached choice under ``key`` if ``valid`` accepts it, else ``choose()``, cached.
+
+    Before measuring it says so on the ``verispec`` logger (``what`` is timed, which ``takes`` about
+    so long), since a first run otherwise sits silent for those seconds."""
     cached = _read_cache()
     value = cached.get(key)
     if not valid(value):
+        logger.warning("timing %s on this machine once (%s; cached in %s)", what, takes, _cache_file())
         value = choose()
         _write_cache(cached, key, value)
     return value
@@ -196,7 +200,13 @@ def apply(model: Any) -> str:
     elif size < MIN_TUNED_BYTES:
         name = DEFAULT
     else:
-        name = _cached(_key(model), lambda v: v in SCHEDULES, lambda: faster(measure(model)))
+        name = _cached(
+            _key(model),
+            lambda v: v in SCHEDULES,
+            lambda: faster(measure(model)),
+            f"two ways of reading {model.dtype} weights",
+            "about a second",
+        )
     model._kernel.set_schedule(*SCHEDULES[name])
     return name
 
@@ -283,6 +293,8 @@ def apply_prefill(model: Any) -> int:
             PREFILL_KEY + _key(model),
             lambda v: isinstance(v, int) and v >= 0,
             lambda: measure_crossing(model),
+            f"{model.dtype} prompts on the kernel and on the torch path",
+            "5-25 s",
         )
     model.kernel_prefill_max = {**model.kernel_prefill_max, model.dtype: value}
     return value
