@@ -22,6 +22,9 @@ so every request produces exactly ``--max-tokens`` tokens:
     (``"speculative": {"enabled": false}``). Reports total throughput (completion tokens / wall time),
     mean time to first token, mean inter-token latency and request latency.
 
+Every mode drafts by prompt lookup alone unless given ``--speculative-model`` (a draft) or
+``--default-drafter`` (what ``verispec serve`` drafts with when no drafter is named).
+
 Run it alone on the machine: timings taken while other jobs use the cores are meaningless.
 
     flock /tmp/verispec-cpu.lock python benchmarks/load_test.py crossover --batch 1 4 8 16
