@@ -83,9 +83,9 @@ def crossover(args: argparse.Namespace) -> None:
     texts = bench_prompts(args.categories, biggest)
     prompts = [encode_prompt(tok, t, chat=target.instruct)[-args.max_prompt_tokens :] for t in texts]
     rows = []
+    greedy = SamplingConfig(temperature=0)
     for k in args.k:  # warm-up, uncounted: the first calls of a process run slower
         engine = Engine(target, proposer if k else None, eos_token_ids=target.eos_token_ids)
-        greedy = SamplingConfig(temperature=0)
         warm = GenerationConfig(max_new_tokens=8, num_speculative_tokens=k, sampling=greedy, ignore_eos=True)
         for _ in engine.run([engine.new_sequence(prompts[0], warm)]):
             pass
@@ -96,7 +96,7 @@ def crossover(args: argparse.Namespace) -> None:
             config = GenerationConfig(
                 max_new_tokens=args.max_tokens,
                 num_speculative_tokens=k,
-                sampling=SamplingConfig(temperature=0),
+                sampling=greedy,
                 ignore_eos=True,
             )
             seqs = [engine.new_sequence(p, config) for p in prompts[:batch]]
@@ -174,7 +174,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     ]
     if args.speculative_model:
         cmd += ["--speculative-model", args.speculative_model]
-    elif not args.default_drafter:
+    if lookup_only(args):
         cmd += ["--prompt-lookup"]
     if args.batch_policy:
         cmd += ["--batch-policy", args.batch_policy]

@@ -124,7 +124,9 @@ def _load_kernel() -> Any:
         key = _SRC.read_bytes() + " ".join(flags).encode() + str(_SRC).encode()
         digest = hashlib.sha256(key).hexdigest()[:12]
         name = f"verispec_fast_llama_{digest}"
-        build = Path(os.environ.get("VERISPEC_CACHE", Path.home() / ".cache" / "verispec")) / name
+        from verispec.models.loading import cache_dir
+
+        build = cache_dir() / name
         build.mkdir(parents=True, exist_ok=True)
         if not any(build.glob(f"{name}*.so")):
             logger.warning("compiling the fast kernel once (about a minute; cached in %s)", build)
