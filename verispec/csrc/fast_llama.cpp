@@ -731,6 +731,94 @@ void linear(const float* x, int64_t M, int64_t ldx, const WT* w, int64_t N, int6
   }
 }
 
+// Float32 weights held as exact 4-bit blocks (GGUF's Q4_1 layout, which every layer matrix of a
+// Q4_1 GGUF model has once transformers dequantises it to float32): per row, blocks of 32 weights
+// w = d * q + m with q in 0 .. 15 and d, m float16 values widened to float32. q [N, K / 32, 16]
+// uint8 holds q[i] in the low nibble of byte i and q[i + 16] in its high nibble; dm [N, K / 32, 2]
+// float32 holds (d, m). d * q is exact in float32 (11 + 4 significant bits), so fma(d, q, m) is
+// the single rounding of d * q + m that the dequantisation did: the very float32 weight. Each
+// output then runs `tile`'s chain (8 lanes over K in steps of 8, hsum, no tail, finish_dot), so it
+// is bitwise the float32 path's, while the weights read are 6 bits each instead of 32 (the scales
+// widened to float32 once at load). FastLlama checks every block at load (`_q4_blocks`) and the
+// tests compare outputs bitwise.
+//
+// MR input rows against NR weight rows: each block of a weight row is widened once into four
+// 8-lane registers (zero-extended nibbles, converted, one fma) and applied to all MR rows.
+template <int MR, int NR>
+inline void tile_q4(const float* x, int64_t ldx, const uint8_t* q, const float* dm, int64_t K,
+                    const float* bias, float* y, int64_t ldy, bool accumulate) {
+  const int64_t nb = K / 32;
+  __m256 acc[MR][NR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 2
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi32(15);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256 w[NR][4];
+#pragma GCC unroll 2
+    for (int j = 0; j < NR; ++j) {
+      const uint8_t* qb = q + (j * nb + b) * 16;
+      const __m256 d = _mm256_broadcast_ss(dm + (j * nb + b) * 2);
+      const __m256 m = _mm256_broadcast_ss(dm + (j * nb + b) * 2 + 1);
+      const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb)));
+      const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + 8)));
+      w[j][0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(b0, low)), m);
+      w[j][1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(b1, low)), m);
+      w[j][2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), m);
+      w[j][3] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), m);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const float* xi = x + i * ldx + b * 32;
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        const __m256 xv = _mm256_loadu_ps(xi + 8 * c);
+#pragma GCC unroll 2
+        for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, w[j][c], acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) finish_dot(hsum(acc[i][j]), nullptr, bias, j, y + i * ldy + j, accumulate);
+}
+
+// Most input rows per pass of the 4-bit tiles: each pass widens the blocks again.
+constexpr int64_t kQ4MostRows = 6;
+
+inline void tile_any_q4(int64_t mr, const float* x, int64_t ldx, const uint8_t* q, const float* dm,
+                        int64_t K, const float* bias, float* y, int64_t ldy, bool accumulate) {
+#define VERISPEC_Q4(R) \
+  case R: return tile_q4<R, 2>(x, ldx, q, dm, K, bias, y, ldy, accumulate)
+  switch (mr) {
+    VERISPEC_Q4(1); VERISPEC_Q4(2); VERISPEC_Q4(3); VERISPEC_Q4(4); VERISPEC_Q4(5);
+    default: return tile_q4<kQ4MostRows, 2>(x, ldx, q, dm, K, bias, y, ldy, accumulate);
+  }
+#undef VERISPEC_Q4
+}
+
+// `linear` for float32 weights held as 4-bit blocks (above): y[M, N] (+)= x[M, K] @ w^T + bias,
+// bitwise what `linear` gives for the float32 matrix (N even). Threads split the weight rows in
+// pairs; each pair meets the input rows in passes of up to kQ4MostRows.
+void linear_q4(const float* x, int64_t M, int64_t ldx, const uint8_t* q, const float* dm, int64_t N,
+               int64_t K, const float* bias, float* y, int64_t ldy, bool accumulate) {
+  const int64_t nb = K / 32;
+  at::parallel_for(0, N / 2, 8, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = 2 * p;
+      const uint8_t* qn = q + n0 * nb * 16;
+      const float* dn = dm + n0 * nb * 2;
+      const float* bn = bias ? bias + n0 : nullptr;
+      for (int64_t m = 0; m < M;) {
+        const int64_t rest = M - m;
+        const int64_t mr = rest <= kQ4MostRows ? rest : rest <= 2 * kQ4MostRows ? (rest + 1) / 2 : kQ4MostRows;
+        tile_any_q4(mr, x + m * ldx, ldx, qn, dn, K, bn, y + m * ldy + n0, ldy, accumulate);
+        m += mr;
+      }
+    }
+  });
+}
+
 // Sum of squares in fixed order: 8 lanes over the row, hsum, scalar tail.
 inline float sumsq(const float* x, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
@@ -1037,6 +1125,7 @@ inline void block_weighted(int64_t n, int64_t j0, const KT* V, int64_t D, int64_
 struct Mat {
   at::Tensor w, scale;
   bool paired = false;  // pair-interleaved (kPairChunk)
+  at::Tensor q4, q4dm;  // float32 weights also held as exact 4-bit blocks (`linear_q4`), or undefined
   const float* sc() const { return scale.defined() ? scale.data_ptr<float>() : nullptr; }
 };
 
@@ -1316,6 +1405,34 @@ class FastLlamaKernel {
     layers_.push_back(std::move(L));
   }
 
+  // Layer `l`'s matrix `which` (0 wqkv, 1 wo, 2 wgu, 3 wdown), float32, also as exact 4-bit blocks
+  // (`linear_q4`): q [N, K / 32, 16] uint8, dm [N, K / 32, 2] float32. The caller has checked that
+  // they dequantise to the matrix bitwise (FastLlama's `_q4_blocks`); calls of up to `q4_rows`
+  // tokens then read them instead of the float32 matrix.
+  void set_q4(int64_t l, int64_t which, at::Tensor q, at::Tensor dm) {
+    TORCH_CHECK(l >= 0 && l < static_cast<int64_t>(layers_.size()) && which >= 0 && which < 4,
+                "no such layer matrix");
+    TORCH_CHECK(wtype_ == at::kFloat, "4-bit blocks stand for float32 weights only");
+    Layer& L = layers_[l];
+    Mat& W = which == 0 ? L.wqkv : which == 1 ? L.wo : which == 2 ? L.wgu : L.wdown;
+    const int64_t N = W.w.size(0), K = W.w.size(1);
+    TORCH_CHECK(K % 32 == 0 && N % 2 == 0, "4-bit blocks need K % 32 == 0 and N even");
+    TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && q.dim() == 3 && q.size(0) == N &&
+                    q.size(1) == K / 32 && q.size(2) == 16,
+                "q must be contiguous uint8 [N, K / 32, 16]");
+    TORCH_CHECK(dm.scalar_type() == at::kFloat && dm.is_contiguous() && dm.dim() == 3 && dm.size(0) == N &&
+                    dm.size(1) == K / 32 && dm.size(2) == 2,
+                "dm must be contiguous float32 [N, K / 32, 2]");
+    W.q4 = q;
+    W.q4dm = dm;
+  }
+
+  // Calls of up to `rows` tokens read the 4-bit blocks where a matrix has them (0: never).
+  void set_q4_rows(int64_t rows) {
+    TORCH_CHECK(rows >= 0, "rows must be >= 0");
+    q4_rows_ = rows;
+  }
+
   // The embedding has the weights' type; an int8 one is dequantised row by row (`embed_scale`).
   // None: a model fed with input vectors only (`forward_hidden`, e.g. an EAGLE draft head).
   void set_head(std::optional<at::Tensor> embed, at::Tensor final_norm, at::Tensor head,
@@ -1541,6 +1658,20 @@ class FastLlamaKernel {
 
   static const float* opt(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
 
+  // y[M, N] (+)= x[M, K] @ W^T + bias for one of a layer's matrices: from its 4-bit blocks
+  // (`linear_q4`, bitwise the same) for calls of up to q4_rows_ tokens, else `linear`.
+  template <typename WT>
+  void product(const Mat& W, const float* x, int64_t M, int64_t K, int64_t N, const float* bias, float* y,
+               bool accumulate) {
+    if constexpr (std::is_same_v<WT, float>) {
+      if (W.q4.defined() && M <= q4_rows_) {
+        linear_q4(x, M, K, W.q4.data_ptr<uint8_t>(), W.q4dm.data_ptr<float>(), N, K, bias, y, N, accumulate);
+        return;
+      }
+    }
+    linear(x, M, K, wptr<WT>(W.w), N, K, W.sc(), bias, y, N, accumulate, W.paired, schedule_);
+  }
+
   template <typename WT>
   at::Tensor run(int64_t M, const int64_t* id, const float* x_in, const int64_t* sl, const int64_t* ps,
                  const at::Tensor& logit_rows, bool screened) {
@@ -1578,18 +1709,14 @@ class FastLlamaKernel {
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& L = layers_[l];
       rmsnorm(x, M, H, L.in_norm.data_ptr<float>(), eps_, xn);
-      linear(xn, M, H, wptr<WT>(L.wqkv.w), QKV, H, L.wqkv.sc(), opt(L.bqkv), qkv, QKV, false,
-             L.wqkv.paired, schedule_);
+      product<WT>(L.wqkv, xn, M, H, QKV, opt(L.bqkv), qkv, false);
       write_kv(l, M, sl, ps, cos, sin);
       attention(l, M, ps);
-      linear(att_.data(), M, HQD, wptr<WT>(L.wo.w), H, HQD, L.wo.sc(), opt(L.bo), x, H, true,
-             L.wo.paired, schedule_);
+      product<WT>(L.wo, att_.data(), M, HQD, H, opt(L.bo), x, true);
       rmsnorm(x, M, H, L.post_norm.data_ptr<float>(), eps_, xn);
-      linear(xn, M, H, wptr<WT>(L.wgu.w), 2 * I, H, L.wgu.sc(), nullptr, gu_.data(), 2 * I, false,
-             L.wgu.paired, schedule_);
+      product<WT>(L.wgu, xn, M, H, 2 * I, nullptr, gu_.data(), false);
       swiglu(M, I);
-      linear(act_.data(), M, I, wptr<WT>(L.wdown.w), H, I, L.wdown.sc(), nullptr, x, H, true,
-             L.wdown.paired, schedule_);
+      product<WT>(L.wdown, act_.data(), M, I, H, nullptr, x, true);
     }
 
     if (keep_hidden_) {
@@ -1853,6 +1980,7 @@ class FastLlamaKernel {
   bool keep_hidden_ = false;
   bool paired_ = false;
   bool kv_half_ = false;  // the caches hold float16, not float32
+  int64_t q4_rows_ = kQ4MostRows;  // calls of up to this many tokens read 4-bit blocks (`set_q4`)
   Schedule schedule_;
   at::Tensor hidden_;
   std::vector<Layer> layers_;
@@ -1882,6 +2010,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("two_pair_rows_int8"), pybind11::arg("prefetch_one_row"))
       .def("get_schedule", &FastLlamaKernel::get_schedule)
       .def("set_wide_float_rows", &FastLlamaKernel::set_wide_float_rows)
+      .def("set_q4", &FastLlamaKernel::set_q4, pybind11::arg("layer"), pybind11::arg("which"),
+           pybind11::arg("q"), pybind11::arg("dm"))
+      .def("set_q4_rows", &FastLlamaKernel::set_q4_rows)
       .def("set_rope", &FastLlamaKernel::set_rope)
       .def("set_cache", &FastLlamaKernel::set_cache)
       .def("move_positions", &FastLlamaKernel::move_positions)

@@ -1,0 +1,104 @@
+"""The float32 default model with and without its exact 4-bit blocks, side by side.
+
+Two copies of the default model in float32 on the kernel: one reads its layer matrices as the
+exact Q4_1 blocks they are made of (``FastLlama.q4_weights``, the default), the other reads the
+float32 rows (``VERISPEC_NO_Q4=1``'s behaviour). For each prompt (the first N of each Spec-Bench
+category, as ``verispec bench`` picks them), plain greedy decoding and decoding with the default
+drafter (prompt lookup first, the shipped EAGLE head behind it) run on both, in an order rotated
+per prompt, each configuration keeping its fastest of ``--repeats`` rounds. Prints whole-request
+and decode-only tokens/s per configuration, the geometric mean over categories of each speedup,
+and checks that every output equals plain decoding's on the float32 rows. Run it alone on the
+machine (``flock /tmp/verispec-cpu.lock``).
+
+    python benchmarks/q4_ab.py [--per-category 2] [--repeats 2] [-k 4] [--max-new-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import math
+
+import verispec
+from verispec.api import speculative_generate
+from verispec.bench.prompts import load_prompts, select
+from verispec.distill.shipped import load_shipped_draft
+from verispec.lookup_first import LookupFirst
+from verispec.models.fast_llama import FastLlama
+from verispec.tokenizers import encode_prompt
+
+CONFIGS = ("plain/rows", "plain/blocks", "drafter/rows", "drafter/blocks")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--per-category", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("-k", type=int, default=4, help="draft tokens per step for the drafter")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    args = parser.parse_args()
+
+    blocks = verispec.load_model("default", max_length=2048, dtype="float32")
+    FastLlama.q4_weights = False
+    try:
+        rows = verispec.load_model("default", max_length=2048, dtype="float32")
+    finally:
+        FastLlama.q4_weights = True
+    targets = {"rows": rows, "blocks": blocks}
+    drafters = {name: LookupFirst(load_shipped_draft(t)) for name, t in targets.items()}
+
+    def run(ids: list[int], config: str):
+        method, weights = config.split("/")
+        drafter = drafters[weights] if method == "drafter" else None
+        return speculative_generate(
+            targets[weights],
+            drafter,
+            ids,
+            max_new_tokens=args.max_new_tokens,
+            temperature=0,
+            num_speculative_tokens=args.k if drafter is not None else 0,
+        )
+
+    warm = encode_prompt(blocks.tokenizer, "Hi", chat=True)
+    for config in CONFIGS:
+        run(warm, config)
+    tokens = collections.Counter()
+    decode = collections.defaultdict(float)
+    seconds = collections.defaultdict(lambda: collections.defaultdict(float))  # category -> config -> s
+    for n, prompt in enumerate(select(load_prompts(), None, args.per_category)):
+        ids = encode_prompt(blocks.tokenizer, prompt.text, chat=True)
+        best: dict[str, object] = {}
+        for r in range(args.repeats):
+            shift = (n + r) % len(CONFIGS)
+            for config in CONFIGS[shift:] + CONFIGS[:shift]:
+                result = run(ids, config)
+                if config not in best or result.stats.seconds < best[config].stats.seconds:
+                    best[config] = result
+        want = best["plain/rows"].token_ids
+        for config, result in best.items():
+            assert result.token_ids == want, (prompt.question_id, config)
+            s = result.stats
+            tokens[config] += s.new_tokens
+            decode[config] += s.seconds - s.prefill_seconds
+            seconds[prompt.category][config] += s.seconds
+    whole = {c: sum(by[c] for by in seconds.values()) for c in CONFIGS}
+    for config in CONFIGS:
+        print(
+            f"{config:15s} whole request {tokens[config] / whole[config]:6.1f} tokens/s, "
+            f"decode-only {tokens[config] / decode[config]:6.1f} tokens/s"
+        )
+
+    def geomean(num: str, den: str) -> float:
+        logs = [math.log(by[num] / by[den]) for by in seconds.values()]
+        return math.exp(sum(logs) / len(logs))
+
+    print("whole-request speedup, geometric mean over categories:")
+    print(f"  plain, blocks over rows:        {geomean('plain/rows', 'plain/blocks'):.3f}x")
+    print(f"  drafter, blocks over rows:      {geomean('drafter/rows', 'drafter/blocks'):.3f}x")
+    print(f"  drafter over plain, rows:       {geomean('plain/rows', 'drafter/rows'):.3f}x")
+    print(f"  drafter over plain, blocks:     {geomean('plain/blocks', 'drafter/blocks'):.3f}x")
+    print("every output equals plain decoding's on the float32 rows")
+
+
+if __name__ == "__main__":
+    main()

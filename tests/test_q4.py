@@ -1,0 +1,134 @@
+"""Float32 weights read as their exact 4-bit blocks (GGUF's Q4_1 layout).
+
+Every layer matrix of a Q4_1 GGUF model, once transformers dequantises it to float32, is made of
+blocks of 32 weights ``d * q + m``. FastLlama finds those blocks at load and its kernel reads them
+(6 bits per weight) instead of the float32 rows for calls of a few tokens; the outputs must stay
+bitwise the float32 kernel's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from verispec.models.fast_llama import _LAYER_MATRICES, FastLlama, _q4_blocks, kernel_available
+
+requires_kernel = pytest.mark.skipif(not kernel_available(), reason="C++ kernel could not be built here")
+
+
+def _q4_1(w: torch.Tensor) -> torch.Tensor:
+    """``w`` [N, K] through GGUF's Q4_1 and back: float32 with the exact block structure."""
+    raw = quantize(w.detach().float().numpy(), GGMLQuantizationType.Q4_1)
+    return torch.from_numpy(np.ascontiguousarray(dequantize(raw, GGMLQuantizationType.Q4_1))).reshape(w.shape)
+
+
+def _unpack(q: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    """The float32 matrix that blocks ``q`` [N, K/32, 16], ``dm`` [N, K/32, 2] stand for."""
+    codes = torch.cat([q & 15, q >> 4], dim=-1).float()  # [N, K/32, 32]
+    w = dm[..., :1] * codes + dm[..., 1:]
+    return w.reshape(q.shape[0], -1)
+
+
+def test_blocks_rebuild_a_q4_1_matrix_bitwise() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(6, 96) * 0.05
+    w[1, :32] = 0.25  # a constant block: step 0
+    w[2, 32:64] = torch.linspace(-3.0, 1.0, 32)  # a wide block
+    exact = _q4_1(w)
+    blocks = _q4_blocks(exact)
+    assert blocks is not None
+    q, dm = blocks
+    assert q.dtype == torch.uint8 and q.shape == (6, 3, 16)
+    assert dm.dtype == torch.float32 and dm.shape == (6, 3, 2)
+    assert torch.equal(_unpack(q, dm), exact)
+    # d and m are float16 values, as GGUF stores them
+    assert torch.equal(dm.half().float(), dm)
+
+
+def test_no_blocks_where_a_matrix_has_none() -> None:
+    torch.manual_seed(1)
+    w = torch.randn(4, 64)
+    assert _q4_blocks(w) is None  # plain float32 weights
+    exact = _q4_1(w)
+    bent = exact.clone()
+    bent[3, 40] = torch.nextafter(bent[3, 40], torch.tensor(10.0))  # one weight off by one ulp
+    assert _q4_blocks(bent) is None
+    assert _q4_blocks(torch.cat([exact, exact[:, :16]], dim=1)) is None  # K not a multiple of 32
+    assert _q4_blocks(_q4_1(torch.randn(3, 64))) is None  # odd rows: the kernel reads pairs
+    assert _q4_blocks(exact.double()) is None
+
+
+def _q4_llama() -> LlamaForCausalLM:
+    """A tiny Llama whose layer matrices all have Q4_1 blocks (GQA, head_dim 32)."""
+    torch.manual_seed(3)
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+    hf = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            for lin in (*_attn(layer), layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                lin.weight.copy_(_q4_1(lin.weight))
+    return hf
+
+
+def _attn(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
+    a = layer.self_attn
+    return a.q_proj, a.k_proj, a.v_proj, a.o_proj
+
+
+@requires_kernel
+@pytest.mark.parametrize("rows", [6, 16])  # 16: every call reads the blocks, in passes of up to 6
+def test_kernel_reading_blocks_is_bitwise_the_float32_kernel(
+    monkeypatch: pytest.MonkeyPatch, rows: int
+) -> None:
+    hf = _q4_llama()
+    monkeypatch.setattr(FastLlama, "q4_rows", rows)
+    blocks = FastLlama.from_hf(hf, dtype="float32", max_batch_size=2)
+    assert all(layer.get(k + "_q4") is not None for layer in blocks._w["layers"] for k in _LAYER_MATRICES)
+    monkeypatch.setattr(FastLlama, "q4_weights", False)
+    dense = FastLlama.from_hf(hf, dtype="float32", max_batch_size=2)
+    assert all(layer.get(k + "_q4") is None for layer in dense._w["layers"] for k in _LAYER_MATRICES)
+    assert blocks.read_bytes() < dense.read_bytes()
+    assert blocks.weight_bytes() > dense.weight_bytes()  # the float32 matrices stay for long calls
+
+    ids = torch.randint(0, 300, (2, 60), generator=torch.Generator().manual_seed(4))
+    for fast in (blocks, dense):
+        fast.reset(2)
+    assert torch.equal(blocks.forward(ids[:, :20]), dense.forward(ids[:, :20]))  # a prompt
+    pos = 20
+    for t in (1, 2, 3, 4, 5, 6, 7, 9, 13):  # decoding and verification widths
+        got, want = blocks.forward(ids[:, pos : pos + t]), dense.forward(ids[:, pos : pos + t])
+        assert torch.equal(got, want), t
+        pos += t
+    # one row alone, the other untouched
+    assert torch.equal(blocks.forward(ids[1:, pos:], rows=[1]), dense.forward(ids[1:, pos:], rows=[1]))
+    # and the logits still are the model's
+    got = blocks.forward(ids[:1, pos:], rows=[0])
+    torch.testing.assert_close(got, _reference_tail(hf, ids[:1], pos), rtol=1e-4, atol=2e-5)
+
+
+def _reference_tail(hf: torch.nn.Module, ids: torch.Tensor, start: int) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(ids).logits[:, start:]
+
+
+@requires_kernel
+def test_int8_and_torch_path_take_no_blocks() -> None:
+    hf = _q4_llama()
+    for fast in (
+        FastLlama.from_hf(hf, dtype="int8"),
+        FastLlama.from_hf(hf, dtype="float32", use_kernel=False),
+    ):
+        assert all(layer.get(k + "_q4") is None for layer in fast._w["layers"] for k in _LAYER_MATRICES)
