@@ -464,3 +464,26 @@ def test_a_peer_probe_reports_how_its_child_failed(tmp_path) -> None:
     assert child_failure([py, "-c", "import time; time.sleep(30)"], timeout=0.5) == "no answer within 0 s"
     failure = llama_cpp_failure(tmp_path / "missing.gguf", threads=1, timeout=60)
     assert failure is not None and failure.startswith("exit status 1")
+
+
+def test_bandwidth_goal_of_a_format_read_as_4bit_blocks_uses_the_float32_bound():
+    """Where float32 matrices are read as their exact 4-bit blocks, the goal is judged against the
+    bound of reading the float32 matrices (the issue's), and the value shows both fractions."""
+    from verispec.bench.report import goal_checks
+
+    plain = {"plain_decode_tokens_per_second": 120.0, "bandwidth_bound_tokens_per_second": 400.0}
+    blocks = {
+        **plain,
+        "weight_bytes_per_token": 100,
+        "dense_weight_bytes_per_token": 450,
+        "dense_bound_tokens_per_second": 89.0,
+        "plain_fraction_of_bound": 0.30,
+        "plain_fraction_of_dense_bound": 120.0 / 89.0,
+    }
+    dense = {**blocks, "weight_bytes_per_token": 450, "plain_fraction_of_bound": 0.70}
+    goal = "plain decoding (float32) >= 75% of the bandwidth bound (decode-only)"
+    got = {c["goal"]: c for c in goal_checks({"rows": [], "by_dtype": {"float32": blocks}})}[goal]
+    assert got["met"] is True and "135% of reading the float32 matrices" in got["value"]
+    assert "30% (120.0 of 400.0 tokens/s) over the 4-bit blocks" in got["value"]
+    got = {c["goal"]: c for c in goal_checks({"rows": [], "by_dtype": {"float32": dense}})}[goal]
+    assert got["met"] is False and "blocks" not in got["value"]

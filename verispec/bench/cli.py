@@ -394,6 +394,7 @@ def run(args: argparse.Namespace) -> int:
     by_dtype = {}
     for d, t in targets.items():
         wb = weight_bytes(t, d, greedy=sampling.greedy)
+        dense = weight_bytes(t, d, greedy=sampling.greedy, blocks=False)
         plain = next(
             r for r in rows if r["method"] == "autoregressive" and r["dtype"] == d and r["category"] == ALL
         )
@@ -404,6 +405,13 @@ def run(args: argparse.Namespace) -> int:
             "plain_tokens_per_second": plain["tokens_per_second"],
             "plain_decode_tokens_per_second": plain["decode_tokens_per_second"],
             "plain_fraction_of_bound": plain["decode_tokens_per_second"] / bound if bound else None,
+            # Where float32 matrices are read as their exact 4-bit blocks: the bound of reading the
+            # float32 matrices instead (the bound), and plain decoding's fraction of it.
+            "dense_weight_bytes_per_token": dense,
+            "dense_bound_tokens_per_second": bandwidth / dense if dense else 0.0,
+            "plain_fraction_of_dense_bound": (
+                plain["decode_tokens_per_second"] * dense / bandwidth if dense and bandwidth else None
+            ),
             # The median of every reading: before the run (9 rounds) and after each prompt (3).
             "verify_cost_ratio": statistics.median([costs[d][5], *verify_during[d]]),
             "verify_cost_ratio_samples": {"before": costs[d][5], "during": verify_during[d]},

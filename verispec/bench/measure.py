@@ -107,13 +107,15 @@ def memory_bandwidth(
     return x.numel() * x.element_size() / seconds
 
 
-def weight_bytes(model, dtype: str = "float32", greedy: bool = False) -> int:
+def weight_bytes(model, dtype: str = "float32", greedy: bool = False, blocks: bool = True) -> int:
     """Bytes of weights the target reads per token: ``model.read_bytes(greedy)`` or
     ``model.weight_bytes()`` when the backend knows (a greedy step may read less: FastLlama's head
-    screen), else the Hugging Face parameters counted at ``dtype``'s width."""
+    screen), else the Hugging Face parameters counted at ``dtype``'s width. ``blocks=False``: what
+    FastLlama would read without the 4-bit blocks of its float32 matrices (``q4_weights``), the
+    float32 matrices themselves."""
     read = getattr(model, "read_bytes", None)
     if callable(read):
-        return int(read(greedy=greedy))
+        return int(read(greedy=greedy) if blocks else read(greedy=greedy, blocks=False))
     fn = getattr(model, "weight_bytes", None)
     if callable(fn):
         return int(fn())

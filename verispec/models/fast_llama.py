@@ -767,19 +767,19 @@ class FastLlama:
         greedy screen included)."""
         return tensor_bytes({k: v for k, v in self._w.items() if k not in ("cos", "sin")})
 
-    def read_bytes(self, greedy: bool = False) -> int:
+    def read_bytes(self, greedy: bool = False, blocks: bool = True) -> int:
         """Bytes of the weights a one-token decode step reads: all of them but the head's screen,
         or with ``greedy`` and a screen (``screen_head``), all but the float32 head (a tied one is
         the embedding, of which a step reads one row); of a layer matrix with 4-bit blocks
-        (``q4_weights``), the blocks and not its float32 copy."""
+        (``q4_weights``), the blocks and not its float32 copy, or with ``blocks=False`` what the
+        step would read without them (the float32 copy and not the blocks)."""
         total = self.weight_bytes()
         if self._kernel is not None and self.q4_rows > 0:
-            total -= sum(
-                tensor_bytes(layer[key])
-                for layer in self._w["layers"]
-                for key in _LAYER_MATRICES
-                if layer.get(key + "_q4") is not None
-            )
+            for layer in self._w["layers"]:
+                for key in _LAYER_MATRICES:
+                    if layer.get(key + "_q4") is not None:
+                        unread = [layer[key]] if blocks else [layer[key + "_q4"], layer[key + "_q4dm"]]
+                        total -= tensor_bytes(unread)
         screen = self._w.get("head_screen")
         if screen is None:
             return total
