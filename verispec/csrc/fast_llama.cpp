@@ -731,43 +731,70 @@ void linear(const float* x, int64_t M, int64_t ldx, const WT* w, int64_t N, int6
   }
 }
 
-// Float32 weights held as exact 4-bit blocks (GGUF's Q4_1 layout, which every layer matrix of a
-// Q4_1 GGUF model has once transformers dequantises it to float32): per row, blocks of 32 weights
-// w = d * q + m with q in 0 .. 15 and d, m float16 values widened to float32. q [N, K / 32, 16]
-// uint8 holds q[i] in the low nibble of byte i and q[i + 16] in its high nibble; dm [N, K / 32, 2]
-// float32 holds (d, m). d * q is exact in float32 (11 + 4 significant bits), so fma(d, q, m) is
-// the single rounding of d * q + m that the dequantisation did: the very float32 weight. Each
-// output then runs `tile`'s chain (8 lanes over K in steps of 8, hsum, no tail, finish_dot), so it
-// is bitwise the float32 path's, while the weights read are 6 bits each instead of 32 (the scales
-// widened to float32 once at load). FastLlama checks every block at load (`_q4_blocks`) and the
-// tests compare outputs bitwise.
+// Float32 weights held as exact blocks of 32 (GGUF's layouts, which a GGUF model's matrices keep
+// once transformers dequantises them to float32), read instead of the float32 rows:
 //
-// MR input rows against NR weight rows: each block of a weight row is widened once into four
-// 8-lane registers (zero-extended nibbles, converted, one fma) and applied to all MR rows.
-template <int MR, int NR>
-inline void tile_q4(const float* x, int64_t ldx, const uint8_t* q, const float* dm, int64_t K,
-                    const float* bias, float* y, int64_t ldy, bool accumulate) {
-  const int64_t nb = K / 32;
+// - 4-bit (Q4_1): w = d * q + m with q in 0 .. 15 and d, m float16 values widened to float32.
+//   q [N, K / 32, 16] uint8 holds q[i] in the low nibble of byte i and q[i + 16] in its high
+//   nibble; dm [N, K / 32, 2] float32 holds (d, m). d * q is exact in float32 (11 + 4 significant
+//   bits), so fma(d, q, m) is the one rounding of d * q + m that the dequantisation did: the very
+//   float32 weight. 6 bits read per weight instead of 32 (the layer matrices of SmolLM2's GGUF).
+// - 8-bit (Q8_0): w = d * q with q in -128 .. 127 and d a float16 value widened to float32, exact
+//   in float32 (11 + 8 bits). q [N, K / 32, 32] int8, d [N, K / 32] float32: 9 bits per weight
+//   (SmolLM2's embedding, which is its output head).
+//
+// Each output runs `tile`'s chain (8 lanes over K in steps of 8, hsum, no tail, finish_dot), so it
+// is bitwise the float32 path's. FastLlama checks every block at load (`_q4_blocks`,
+// `_q8_blocks`) and the tests compare outputs bitwise.
+struct Q4Blocks {  // the 4-bit blocks of a matrix
+  const uint8_t* q;
+  const float* dm;
+  int64_t nb;  // blocks per row
+  // Block b of row j widened to w[0 .. 4): its weights 0-7, 8-15, 16-23, 24-31.
+  inline void widen(int64_t j, int64_t b, __m256* w) const {
+    const uint8_t* qb = q + (j * nb + b) * 16;
+    const __m256 d = _mm256_broadcast_ss(dm + (j * nb + b) * 2);
+    const __m256 m = _mm256_broadcast_ss(dm + (j * nb + b) * 2 + 1);
+    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb)));
+    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + 8)));
+    const __m256i low = _mm256_set1_epi32(15);
+    w[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(b0, low)), m);
+    w[1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(b1, low)), m);
+    w[2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), m);
+    w[3] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), m);
+  }
+  Q4Blocks rows(int64_t n0) const { return {q + n0 * nb * 16, dm + n0 * nb * 2, nb}; }
+};
+
+struct Q8Blocks {  // the 8-bit blocks of a matrix
+  const int8_t* q;
+  const float* d;
+  int64_t nb;
+  inline void widen(int64_t j, int64_t b, __m256* w) const {
+    const int8_t* qb = q + (j * nb + b) * 32;
+    const __m256 s = _mm256_broadcast_ss(d + j * nb + b);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c)
+      w[c] = _mm256_mul_ps(
+          s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + 8 * c)))));
+  }
+  Q8Blocks rows(int64_t n0) const { return {q + n0 * nb * 32, d + n0 * nb, nb}; }
+};
+
+// MR input rows against NR weight rows of blocks B: each block of a weight row is widened once
+// into four 8-lane registers and applied to all MR rows.
+template <int MR, int NR, typename B>
+inline void tile_blocks(const float* x, int64_t ldx, const B& blocks, const float* bias, float* y,
+                        int64_t ldy, bool accumulate) {
   __m256 acc[MR][NR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 2
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
-  const __m256i low = _mm256_set1_epi32(15);
-  for (int64_t b = 0; b < nb; ++b) {
+  for (int64_t b = 0; b < blocks.nb; ++b) {
     __m256 w[NR][4];
 #pragma GCC unroll 2
-    for (int j = 0; j < NR; ++j) {
-      const uint8_t* qb = q + (j * nb + b) * 16;
-      const __m256 d = _mm256_broadcast_ss(dm + (j * nb + b) * 2);
-      const __m256 m = _mm256_broadcast_ss(dm + (j * nb + b) * 2 + 1);
-      const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb)));
-      const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + 8)));
-      w[j][0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(b0, low)), m);
-      w[j][1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(b1, low)), m);
-      w[j][2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), m);
-      w[j][3] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), m);
-    }
+    for (int j = 0; j < NR; ++j) blocks.widen(j, b, w[j]);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       const float* xi = x + i * ldx + b * 32;
@@ -783,36 +810,37 @@ inline void tile_q4(const float* x, int64_t ldx, const uint8_t* q, const float* 
     for (int j = 0; j < NR; ++j) finish_dot(hsum(acc[i][j]), nullptr, bias, j, y + i * ldy + j, accumulate);
 }
 
-// Most input rows per pass of the 4-bit tiles: each pass widens the blocks again.
-constexpr int64_t kQ4MostRows = 6;
+// Most input rows per pass of the block tiles: each pass widens the blocks again.
+constexpr int64_t kBlockMostRows = 6;
 
-inline void tile_any_q4(int64_t mr, const float* x, int64_t ldx, const uint8_t* q, const float* dm,
-                        int64_t K, const float* bias, float* y, int64_t ldy, bool accumulate) {
-#define VERISPEC_Q4(R) \
-  case R: return tile_q4<R, 2>(x, ldx, q, dm, K, bias, y, ldy, accumulate)
+template <typename B>
+inline void tile_any_blocks(int64_t mr, const float* x, int64_t ldx, const B& blocks, const float* bias,
+                            float* y, int64_t ldy, bool accumulate) {
+#define VERISPEC_BLOCKS(R) \
+  case R: return tile_blocks<R, 2>(x, ldx, blocks, bias, y, ldy, accumulate)
   switch (mr) {
-    VERISPEC_Q4(1); VERISPEC_Q4(2); VERISPEC_Q4(3); VERISPEC_Q4(4); VERISPEC_Q4(5);
-    default: return tile_q4<kQ4MostRows, 2>(x, ldx, q, dm, K, bias, y, ldy, accumulate);
+    VERISPEC_BLOCKS(1); VERISPEC_BLOCKS(2); VERISPEC_BLOCKS(3); VERISPEC_BLOCKS(4); VERISPEC_BLOCKS(5);
+    default: return tile_blocks<kBlockMostRows, 2>(x, ldx, blocks, bias, y, ldy, accumulate);
   }
-#undef VERISPEC_Q4
+#undef VERISPEC_BLOCKS
 }
 
-// `linear` for float32 weights held as 4-bit blocks (above): y[M, N] (+)= x[M, K] @ w^T + bias,
-// bitwise what `linear` gives for the float32 matrix (N even). Threads split the weight rows in
-// pairs; each pair meets the input rows in passes of up to kQ4MostRows.
-void linear_q4(const float* x, int64_t M, int64_t ldx, const uint8_t* q, const float* dm, int64_t N,
-               int64_t K, const float* bias, float* y, int64_t ldy, bool accumulate) {
-  const int64_t nb = K / 32;
+// `linear` for float32 weights held as blocks (above): y[M, N] (+)= x[M, K] @ w^T + bias, bitwise
+// what `linear` gives for the float32 matrix (N even). Threads split the weight rows in pairs;
+// each pair meets the input rows in passes of up to kBlockMostRows.
+template <typename B>
+void linear_blocks(const float* x, int64_t M, int64_t ldx, const B& blocks, int64_t N, const float* bias,
+                   float* y, int64_t ldy, bool accumulate) {
   at::parallel_for(0, N / 2, 8, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = 2 * p;
-      const uint8_t* qn = q + n0 * nb * 16;
-      const float* dn = dm + n0 * nb * 2;
+      const B rows = blocks.rows(n0);
       const float* bn = bias ? bias + n0 : nullptr;
       for (int64_t m = 0; m < M;) {
         const int64_t rest = M - m;
-        const int64_t mr = rest <= kQ4MostRows ? rest : rest <= 2 * kQ4MostRows ? (rest + 1) / 2 : kQ4MostRows;
-        tile_any_q4(mr, x + m * ldx, ldx, qn, dn, K, bn, y + m * ldy + n0, ldy, accumulate);
+        const int64_t mr =
+            rest <= kBlockMostRows ? rest : rest <= 2 * kBlockMostRows ? (rest + 1) / 2 : kBlockMostRows;
+        tile_any_blocks(mr, x + m * ldx, ldx, rows, bn, y + m * ldy + n0, ldy, accumulate);
         m += mr;
       }
     }
@@ -1125,7 +1153,8 @@ inline void block_weighted(int64_t n, int64_t j0, const KT* V, int64_t D, int64_
 struct Mat {
   at::Tensor w, scale;
   bool paired = false;  // pair-interleaved (kPairChunk)
-  at::Tensor q4, q4dm;  // float32 weights also held as exact 4-bit blocks (`linear_q4`), or undefined
+  at::Tensor q4, q4dm;  // float32 weights also held as exact 4-bit blocks (`linear_blocks`), or undefined
+  at::Tensor q8, q8d;   // ... as exact 8-bit blocks, or undefined
   const float* sc() const { return scale.defined() ? scale.data_ptr<float>() : nullptr; }
 };
 
@@ -1406,7 +1435,7 @@ class FastLlamaKernel {
   }
 
   // Layer `l`'s matrix `which` (0 wqkv, 1 wo, 2 wgu, 3 wdown), float32, also as exact 4-bit blocks
-  // (`linear_q4`): q [N, K / 32, 16] uint8, dm [N, K / 32, 2] float32. The caller has checked that
+  // (`linear_blocks`): q [N, K / 32, 16] uint8, dm [N, K / 32, 2] float32. The caller has checked that
   // they dequantise to the matrix bitwise (FastLlama's `_q4_blocks`); calls of up to `q4_rows`
   // tokens then read them instead of the float32 matrix.
   void set_q4(int64_t l, int64_t which, at::Tensor q, at::Tensor dm) {
@@ -1425,6 +1454,25 @@ class FastLlamaKernel {
                 "dm must be contiguous float32 [N, K / 32, 2]");
     W.q4 = q;
     W.q4dm = dm;
+  }
+
+  // The float32 head also as exact 8-bit blocks (`linear_blocks`): q [V, H / 32, 32] int8,
+  // d [V, H / 32] float32, checked by the caller (FastLlama's `_q8_blocks`). Calls wanting the whole
+  // head's logits for up to `rows` rows then read them instead of the float32 head (0: never).
+  void set_head_q8(at::Tensor q, at::Tensor d, int64_t rows) {
+    TORCH_CHECK(head_.w.defined() && head_.w.scalar_type() == at::kFloat, "a float32 head must be set first");
+    const int64_t V = head_.w.size(0), H = H_;
+    TORCH_CHECK(H % 32 == 0 && V % 2 == 0, "8-bit blocks need H % 32 == 0 and V even");
+    TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous() && q.dim() == 3 && q.size(0) == V &&
+                    q.size(1) == H / 32 && q.size(2) == 32,
+                "q must be contiguous int8 [V, H / 32, 32]");
+    TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.dim() == 2 && d.size(0) == V &&
+                    d.size(1) == H / 32,
+                "d must be contiguous float32 [V, H / 32]");
+    TORCH_CHECK(rows >= 0, "rows must be >= 0");
+    head_.q8 = q;
+    head_.q8d = d;
+    head_q8_rows_ = rows;
   }
 
   // Calls of up to `rows` tokens read the 4-bit blocks where a matrix has them (0: never).
@@ -1659,17 +1707,33 @@ class FastLlamaKernel {
   static const float* opt(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
 
   // y[M, N] (+)= x[M, K] @ W^T + bias for one of a layer's matrices: from its 4-bit blocks
-  // (`linear_q4`, bitwise the same) for calls of up to q4_rows_ tokens, else `linear`.
+  // (`linear_blocks`, bitwise the same) for calls of up to q4_rows_ tokens, else `linear`.
   template <typename WT>
   void product(const Mat& W, const float* x, int64_t M, int64_t K, int64_t N, const float* bias, float* y,
                bool accumulate) {
     if constexpr (std::is_same_v<WT, float>) {
       if (W.q4.defined() && M <= q4_rows_) {
-        linear_q4(x, M, K, W.q4.data_ptr<uint8_t>(), W.q4dm.data_ptr<float>(), N, K, bias, y, N, accumulate);
+        const Q4Blocks blocks{W.q4.data_ptr<uint8_t>(), W.q4dm.data_ptr<float>(), K / 32};
+        linear_blocks(x, M, K, blocks, N, bias, y, N, accumulate);
         return;
       }
     }
     linear(x, M, K, wptr<WT>(W.w), N, K, W.sc(), bias, y, N, accumulate, W.paired, schedule_);
+  }
+
+  // The whole head's logits out [R, V] for final-normed rows x [R, H]: from its 8-bit blocks
+  // (`set_head_q8`, bitwise the same) for up to head_q8_rows_ rows, else `linear`.
+  template <typename WT>
+  void head_logits(const float* x, int64_t R, float* out) {
+    const int64_t V = head_.w.size(0), H = H_;
+    if constexpr (std::is_same_v<WT, float>) {
+      if (head_.q8.defined() && R <= head_q8_rows_) {
+        const Q8Blocks blocks{head_.q8.data_ptr<int8_t>(), head_.q8d.data_ptr<float>(), H / 32};
+        linear_blocks(x, R, H, blocks, V, nullptr, out, V, false);
+        return;
+      }
+    }
+    linear(x, R, H, wptr<WT>(head_.w), V, H, head_.sc(), nullptr, out, V, false, head_.paired, schedule_);
   }
 
   template <typename WT>
@@ -1739,9 +1803,7 @@ class FastLlamaKernel {
         return logits;
       }
     }
-    if (R > 0)
-      linear(sel.data(), R, H, wptr<WT>(head_.w), V, H, head_.sc(), nullptr, logits.data_ptr<float>(),
-             V, false, head_.paired, schedule_);
+    if (R > 0) head_logits<WT>(sel.data(), R, logits.data_ptr<float>());
     return logits;
   }
 
@@ -1830,7 +1892,7 @@ class FastLlamaKernel {
       }
       if (whole) {
         ++screen_fallbacks_;
-        linear(h, 1, H, head, V, H, nullptr, nullptr, o, V, false, head_.paired, schedule_);
+        head_logits<float>(h, 1, o);
         continue;
       }
       cand_rows_.resize(n * H);
@@ -1980,7 +2042,8 @@ class FastLlamaKernel {
   bool keep_hidden_ = false;
   bool paired_ = false;
   bool kv_half_ = false;  // the caches hold float16, not float32
-  int64_t q4_rows_ = kQ4MostRows;  // calls of up to this many tokens read 4-bit blocks (`set_q4`)
+  int64_t q4_rows_ = kBlockMostRows;  // calls of up to this many tokens read 4-bit blocks (`set_q4`)
+  int64_t head_q8_rows_ = 0;  // whole-head logits of up to this many rows read 8-bit blocks
   Schedule schedule_;
   at::Tensor hidden_;
   std::vector<Layer> layers_;
@@ -2013,6 +2076,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_q4", &FastLlamaKernel::set_q4, pybind11::arg("layer"), pybind11::arg("which"),
            pybind11::arg("q"), pybind11::arg("dm"))
       .def("set_q4_rows", &FastLlamaKernel::set_q4_rows)
+      .def("set_head_q8", &FastLlamaKernel::set_head_q8, pybind11::arg("q"), pybind11::arg("d"),
+           pybind11::arg("rows"))
       .def("set_rope", &FastLlamaKernel::set_rope)
       .def("set_cache", &FastLlamaKernel::set_cache)
       .def("move_positions", &FastLlamaKernel::move_positions)

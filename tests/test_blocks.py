@@ -1,9 +1,9 @@
-"""Float32 weights read as their exact 4-bit blocks (GGUF's Q4_1 layout).
+"""Float32 weights read as their exact blocks (GGUF's Q4_1 and Q8_0 layouts).
 
 Every layer matrix of a Q4_1 GGUF model, once transformers dequantises it to float32, is made of
-blocks of 32 weights ``d * q + m``. FastLlama finds those blocks at load and its kernel reads them
-(6 bits per weight) instead of the float32 rows for calls of a few tokens; the outputs must stay
-bitwise the float32 kernel's.
+blocks of 32 weights ``d * q + m``, and a Q8_0 embedding (the tied output head) of blocks ``d * q``.
+FastLlama finds those blocks at load and its kernel reads them (6 and 9 bits per weight) instead of
+the float32 rows for calls of a few tokens; the outputs must stay bitwise the float32 kernel's.
 """
 
 from __future__ import annotations
@@ -15,15 +15,23 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from verispec.models.fast_llama import _LAYER_MATRICES, FastLlama, _q4_blocks, kernel_available
+from verispec.models.fast_llama import _LAYER_MATRICES, FastLlama, _q4_blocks, _q8_blocks, kernel_available
 
 requires_kernel = pytest.mark.skipif(not kernel_available(), reason="C++ kernel could not be built here")
 
 
+def _through(w: torch.Tensor, kind: GGMLQuantizationType) -> torch.Tensor:
+    """``w`` [N, K] through a GGUF format and back: float32 with its exact block structure."""
+    raw = quantize(w.detach().float().numpy(), kind)
+    return torch.from_numpy(np.ascontiguousarray(dequantize(raw, kind))).reshape(w.shape)
+
+
 def _q4_1(w: torch.Tensor) -> torch.Tensor:
-    """``w`` [N, K] through GGUF's Q4_1 and back: float32 with the exact block structure."""
-    raw = quantize(w.detach().float().numpy(), GGMLQuantizationType.Q4_1)
-    return torch.from_numpy(np.ascontiguousarray(dequantize(raw, GGMLQuantizationType.Q4_1))).reshape(w.shape)
+    return _through(w, GGMLQuantizationType.Q4_1)
+
+
+def _q8_0(w: torch.Tensor) -> torch.Tensor:
+    return _through(w, GGMLQuantizationType.Q8_0)
 
 
 def _unpack(q: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
@@ -62,8 +70,25 @@ def test_no_blocks_where_a_matrix_has_none() -> None:
     assert _q4_blocks(exact.double()) is None
 
 
+def test_8bit_blocks_rebuild_a_q8_0_matrix_bitwise() -> None:
+    torch.manual_seed(2)
+    w = torch.randn(4, 64) * 0.1
+    w[0, :32] = 0.0  # an all-zero block: d = 0
+    exact = _q8_0(w)
+    blocks = _q8_blocks(exact)
+    assert blocks is not None
+    q, d = blocks
+    assert q.dtype == torch.int8 and q.shape == (4, 2, 32) and d.shape == (4, 2)
+    assert torch.equal((d[..., None] * q.float()).reshape(4, 64), exact)
+    assert _q8_blocks(w) is None
+    bent = exact.clone()
+    bent[2, 5] = torch.nextafter(bent[2, 5], torch.tensor(10.0))
+    assert _q8_blocks(bent) is None
+
+
 def _q4_llama() -> LlamaForCausalLM:
-    """A tiny Llama whose layer matrices all have Q4_1 blocks (GQA, head_dim 32)."""
+    """A tiny Llama whose layer matrices all have Q4_1 blocks and whose tied embedding (its head)
+    has Q8_0 blocks, as SmolLM2's GGUF (GQA, head_dim 32)."""
     torch.manual_seed(3)
     config = LlamaConfig(
         vocab_size=300,
@@ -80,6 +105,7 @@ def _q4_llama() -> LlamaForCausalLM:
         for layer in hf.model.layers:
             for lin in (*_attn(layer), layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
                 lin.weight.copy_(_q4_1(lin.weight))
+        hf.model.embed_tokens.weight.copy_(_q8_0(hf.model.embed_tokens.weight))
     return hf
 
 
@@ -97,10 +123,14 @@ def test_kernel_reading_blocks_is_bitwise_the_float32_kernel(
     monkeypatch.setattr(FastLlama, "q4_rows", rows)
     blocks = FastLlama.from_hf(hf, dtype="float32", max_batch_size=2)
     assert all(layer.get(k + "_q4") is not None for layer in blocks._w["layers"] for k in _LAYER_MATRICES)
+    assert blocks._w.get("head_q8") is not None
     monkeypatch.setattr(FastLlama, "q4_weights", False)
     dense = FastLlama.from_hf(hf, dtype="float32", max_batch_size=2)
     assert all(layer.get(k + "_q4") is None for layer in dense._w["layers"] for k in _LAYER_MATRICES)
+    assert dense._w.get("head_q8") is None
     assert blocks.read_bytes() < dense.read_bytes()
+    assert blocks.read_bytes(blocks=False) == dense.read_bytes()
+    assert blocks.read_bytes(greedy=True) < dense.read_bytes(greedy=True)
     assert blocks.weight_bytes() > dense.weight_bytes()  # the float32 matrices stay for long calls
 
     ids = torch.randint(0, 300, (2, 60), generator=torch.Generator().manual_seed(4))
@@ -110,7 +140,11 @@ def test_kernel_reading_blocks_is_bitwise_the_float32_kernel(
     pos = 20
     for t in (1, 2, 3, 4, 5, 6, 7, 9, 13):  # decoding and verification widths
         got, want = blocks.forward(ids[:, pos : pos + t]), dense.forward(ids[:, pos : pos + t])
-        assert torch.equal(got, want), t
+        assert torch.equal(got, want), t  # the whole head's logits (sampling)
+        blocks.truncate([pos, pos])
+        dense.truncate([pos, pos])
+        got = blocks.forward(ids[:, pos : pos + t], logits="argmax")  # greedy: the head's screen
+        assert torch.equal(got, dense.forward(ids[:, pos : pos + t], logits="argmax")), t
         pos += t
     # one row alone, the other untouched
     assert torch.equal(blocks.forward(ids[1:, pos:], rows=[1]), dense.forward(ids[1:, pos:], rows=[1]))
