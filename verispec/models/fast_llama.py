@@ -302,6 +302,10 @@ for hidden sizes up to 576 (each logit is 8 chains of K / 8 fused multiply-adds 
 fewer than K roundings of at most 2^-24; twice that, for margin). ``_head_screen`` scales it to H."""
 
 
+SCREEN_CHUNK_ROWS = 2048
+"""Rows of the head that ``_head_screen`` works on at a time."""
+
+
 def _head_screen(head: torch.Tensor) -> dict[str, torch.Tensor]:
     """The kernel's greedy screen of a float32 head ``head`` ``[V, H]`` (row-major): int8 codes
     ``c`` ``[V, H]`` with per-row scales ``s`` ``[V]`` (``s_j = max |E_j| / 127``, codes rounded to
@@ -312,28 +316,29 @@ def _head_screen(head: torch.Tensor) -> dict[str, torch.Tensor]:
     few tokens whose screened logit, give or take its bound, could still be the largest (the
     kernel's ``screened_head``); the argmax is exactly the whole head's.
     """
-    e = head.detach().double()  # [V, H]
-    h = e.shape[1]
-    amax = e.abs().amax(dim=1)  # [V]
-    scale = (amax / 127.0).float()  # the float32 scale the kernel multiplies by
-    s64 = scale.double()
-    codes = torch.where(s64[:, None] > 0, torch.round(e / s64.clamp_min(1e-300)[:, None]), 0.0)
-    codes = codes.clamp(-127, 127)
-    deq = s64[:, None] * codes  # [V, H], exact in float64 (an int times a float32)
+    h = head.shape[1]
     gamma = SCREEN_GAMMA * max(1.0, h / 576)
-    resid = (e - deq).norm(dim=1) + gamma * e.norm(dim=1)
-    wnorm = deq.norm(dim=1)
 
     def up(x: torch.Tensor) -> torch.Tensor:  # float32 at or above every value (and 1e-12 margin)
         f = (x * (1 + 1e-12)).float()
         return torch.where(f.double() < x, torch.nextafter(f, torch.full_like(f, torch.inf)), f)
 
-    return {
-        "codes": codes.to(torch.int8).contiguous(),
-        "scale": scale.contiguous(),
-        "wnorm": up(wnorm).contiguous(),
-        "resid": up(resid).contiguous(),
-    }
+    parts: dict[str, list[torch.Tensor]] = {"codes": [], "scale": [], "wnorm": [], "resid": []}
+    # Rows a chunk at a time: every figure is per row, and float64 temporaries of a few MB stay in
+    # the allocator's cache where whole-head ones (226 MB for SmolLM2) were faulted in anew each
+    # time (2.9 s -> about 1 s at load).
+    for rows in head.detach().split(SCREEN_CHUNK_ROWS):
+        e = rows.double()  # [n, H]
+        scale = (e.abs().amax(dim=1) / 127.0).float()  # the float32 scale the kernel multiplies by
+        s64 = scale.double()
+        codes = torch.where(s64[:, None] > 0, torch.round(e / s64.clamp_min(1e-300)[:, None]), 0.0)
+        codes = codes.clamp(-127, 127)
+        deq = s64[:, None] * codes  # [n, H], exact in float64 (an int times a float32)
+        parts["codes"].append(codes.to(torch.int8))
+        parts["scale"].append(scale)
+        parts["wnorm"].append(up(deq.norm(dim=1)))
+        parts["resid"].append(up((e - deq).norm(dim=1) + gamma * e.norm(dim=1)))
+    return {k: torch.cat(v).contiguous() for k, v in parts.items()}
 
 
 def _as_rows(weight: torch.Tensor, paired: bool) -> torch.Tensor:
