@@ -1172,3 +1172,20 @@ def test_head_screen_changes_no_greedy_output_and_counts_its_bytes() -> None:
     assert screened.weight_bytes() == plain.weight_bytes() + codes + 3 * 4 * 1024
     assert screened.read_bytes(greedy=True) == screened.weight_bytes() - head
     assert screened.read_bytes(greedy=False) == plain.weight_bytes() == plain.read_bytes(greedy=True)
+
+
+def test_head_screen_in_chunks_of_rows_is_the_whole_heads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The screen is built a chunk of rows at a time; every code, scale and bound is per row, so
+    the chunks (one of them ragged) give bitwise what one pass over the whole head gives."""
+    import verispec.models.fast_llama as fl
+
+    head = torch.randn(50, 64, generator=torch.Generator().manual_seed(5))
+    head[3] = 0.0  # a zero row: scale 0
+    monkeypatch.setattr(fl, "SCREEN_CHUNK_ROWS", 10**6)
+    whole = fl._head_screen(head)
+    monkeypatch.setattr(fl, "SCREEN_CHUNK_ROWS", 7)
+    chunked = fl._head_screen(head)
+    assert whole.keys() == chunked.keys()
+    for key in whole:
+        assert torch.equal(whole[key], chunked[key]), key
+        assert chunked[key].shape[0] == 50
