@@ -757,11 +757,26 @@ struct Q4Blocks {  // the 4-bit blocks of a matrix
     const __m256 m = _mm256_broadcast_ss(dm + (j * nb + b) * 2 + 1);
     const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb)));
     const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + 8)));
+#if defined(__AVX512VL__)
+    // The block's 16 possible weights fma(d, i, m), i = 0 .. 15, then each weight looked up by its
+    // code (the low 4 bits of each lane's index; a byte's high nibble after a shift by 4): the same
+    // values as the conversion below, in fewer instructions. Measured in one process, all 120 layer
+    // matrices of SmolLM2's shapes, min of 15, ms: 1 row 7.05 -> 6.38, 2 8.17 -> 7.66, 5 12.59 ->
+    // 12.03. (Without AVX-512VL, the conversion; it was the only path when this came in, and the
+    // tests ran on it then.)
+    const __m256 t0 = _mm256_fmadd_ps(d, _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), m);
+    const __m256 t1 = _mm256_fmadd_ps(d, _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15), m);
+    w[0] = _mm256_permutex2var_ps(t0, b0, t1);
+    w[1] = _mm256_permutex2var_ps(t0, b1, t1);
+    w[2] = _mm256_permutex2var_ps(t0, _mm256_srli_epi32(b0, 4), t1);
+    w[3] = _mm256_permutex2var_ps(t0, _mm256_srli_epi32(b1, 4), t1);
+#else
     const __m256i low = _mm256_set1_epi32(15);
     w[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(b0, low)), m);
     w[1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(b1, low)), m);
     w[2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), m);
     w[3] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), m);
+#endif
   }
   Q4Blocks rows(int64_t n0) const { return {q + n0 * nb * 16, dm + n0 * nb * 2, nb}; }
 };
