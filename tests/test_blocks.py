@@ -68,6 +68,10 @@ def test_no_blocks_where_a_matrix_has_none() -> None:
     assert _q4_blocks(torch.cat([exact, exact[:, :16]], dim=1)) is None  # K not a multiple of 32
     assert _q4_blocks(_q4_1(torch.randn(3, 64))) is None  # odd rows: the kernel reads pairs
     assert _q4_blocks(exact.double()) is None
+    signed = torch.zeros(2, 32)
+    signed[0, 5] = -0.0  # equal to 0.0, but not the same bits: no block rebuilds it
+    assert _q4_blocks(signed) is None and _q8_blocks(signed) is None
+    assert _q4_blocks(torch.zeros(2, 32)) is not None and _q8_blocks(torch.zeros(2, 32)) is not None
 
 
 def test_8bit_blocks_rebuild_a_q8_0_matrix_bitwise() -> None:

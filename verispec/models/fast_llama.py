@@ -419,6 +419,11 @@ def _quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.to(torch.int8).contiguous(), scale.contiguous()
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Element-wise: float32 ``a`` and ``b`` hold the same bits (unlike ``==``, -0.0 is not 0.0)."""
+    return a.view(torch.int32) == b.view(torch.int32)
+
+
 def _q4_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The exact 4-bit blocks of a float32 matrix, or None where it has none.
 
@@ -427,7 +432,7 @@ def _q4_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     weight is the one rounding of ``d * q + m``. Here ``m`` is the block's minimum (its ``q = 0``
     element) and ``d`` the float16 step nearest ``(max - min) / 15`` or one of its neighbours; a
     block counts only if rebuilding it gives every weight back bitwise, and the matrix only if every
-    block does (the kernel then reads them instead of the float32 rows: ``linear_q4``).
+    block does (the kernel then reads them instead of the float32 rows: ``linear_blocks``).
 
     Args:
         w: ``[N, K]`` float32, ``K % 32 == 0`` and ``N`` even (else None: the kernel reads weight
@@ -453,12 +458,12 @@ def _q4_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         whether each block comes back bitwise."""
         cand = cand.clamp(min=0.0)
         qc = (part - lo[..., None]).div_(torch.where(cand > 0, cand, 1.0)[..., None]).round_().clamp_(0, 15)
-        qc.mul_((cand > 0)[..., None])
-        ok = (cand[..., None] * qc + lo[..., None] == part).all(dim=-1)
+        qc = (qc * (cand > 0)[..., None]).to(torch.uint8)  # the codes as the kernel holds them
+        ok = _same_bits(cand[..., None] * qc.float() + lo[..., None], part).all(dim=-1)
         return qc, ok
 
     qc, left = rebuild(blocks, low, step.float())  # the nearest step rebuilds nearly every block
-    q = qc.to(torch.uint8)
+    q = qc
     d = step.float().clamp(min=0.0)
     left = ~left
     for nudge in (1, -1, 2, -2):  # the rest: neighbouring float16 steps
@@ -468,7 +473,7 @@ def _q4_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         cand = (step[idx].view(torch.int16) + nudge).view(torch.float16).float()
         qc, ok = rebuild(blocks[idx], low[idx], cand)
         hit = tuple(i[ok] for i in idx)
-        q[hit] = qc[ok].to(torch.uint8)
+        q[hit] = qc[ok]
         d[hit] = cand[ok].clamp(min=0.0)
         left[hit] = False
     if bool(left.any()):
@@ -497,10 +502,10 @@ def _q8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     blocks = w.reshape(n, k // 32, 32)
     d = (blocks.abs().amax(dim=-1) / 127).half().float()  # [N, K / 32]
     q = (blocks / torch.where(d > 0, d, 1.0)[..., None]).round_().clamp_(-128, 127)
-    q.mul_((d > 0)[..., None])
-    if not bool((d[..., None] * q == blocks).all()):
+    q = (q * (d > 0)[..., None]).to(torch.int8)  # the codes as the kernel holds them
+    if not bool(_same_bits(d[..., None] * q.float(), blocks).all()):
         return None
-    return q.to(torch.int8).contiguous(), d.contiguous()
+    return q.contiguous(), d.contiguous()
 
 
 class FastLlama:
