@@ -1721,8 +1721,9 @@ class FastLlamaKernel {
 
   static const float* opt(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
 
-  // y[M, N] (+)= x[M, K] @ W^T + bias for one of a layer's matrices: from its 4-bit blocks
-  // (`linear_blocks`, bitwise the same) for calls of up to q4_rows_ tokens, else `linear`.
+  // y[M, N] (+)= x[M, K] @ W^T + bias: from W's exact blocks (`linear_blocks`, bitwise the same)
+  // where it has them, for calls of up to q4_rows_ tokens (a layer's 4-bit blocks, `set_q4`) or
+  // head_q8_rows_ rows (the head's 8-bit blocks, `set_head_q8`), else `linear`.
   template <typename WT>
   void product(const Mat& W, const float* x, int64_t M, int64_t K, int64_t N, const float* bias, float* y,
                bool accumulate) {
@@ -1732,23 +1733,19 @@ class FastLlamaKernel {
         linear_blocks(x, M, K, blocks, N, bias, y, N, accumulate);
         return;
       }
+      if (W.q8.defined() && M <= head_q8_rows_) {
+        const Q8Blocks blocks{W.q8.data_ptr<int8_t>(), W.q8d.data_ptr<float>(), K / 32};
+        linear_blocks(x, M, K, blocks, N, bias, y, N, accumulate);
+        return;
+      }
     }
     linear(x, M, K, wptr<WT>(W.w), N, K, W.sc(), bias, y, N, accumulate, W.paired, schedule_);
   }
 
-  // The whole head's logits out [R, V] for final-normed rows x [R, H]: from its 8-bit blocks
-  // (`set_head_q8`, bitwise the same) for up to head_q8_rows_ rows, else `linear`.
+  // The whole head's logits out [R, V] for final-normed rows x [R, H].
   template <typename WT>
   void head_logits(const float* x, int64_t R, float* out) {
-    const int64_t V = head_.w.size(0), H = H_;
-    if constexpr (std::is_same_v<WT, float>) {
-      if (head_.q8.defined() && R <= head_q8_rows_) {
-        const Q8Blocks blocks{head_.q8.data_ptr<int8_t>(), head_.q8d.data_ptr<float>(), H / 32};
-        linear_blocks(x, R, H, blocks, V, nullptr, out, V, false);
-        return;
-      }
-    }
-    linear(x, R, H, wptr<WT>(head_.w), V, H, head_.sc(), nullptr, out, V, false, head_.paired, schedule_);
+    product<WT>(head_, x, R, H_, head_.w.size(0), nullptr, out, false);
   }
 
   template <typename WT>
