@@ -115,7 +115,7 @@ def weight_bytes(model, dtype: str = "float32", greedy: bool = False, blocks: bo
     float32 matrices themselves."""
     read = getattr(model, "read_bytes", None)
     if callable(read):
-        return int(read(greedy=greedy) if blocks else read(greedy=greedy, blocks=False))
+        return int(read(greedy=greedy, blocks=blocks))
     fn = getattr(model, "weight_bytes", None)
     if callable(fn):
         return int(fn())

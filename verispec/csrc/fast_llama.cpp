@@ -841,25 +841,16 @@ inline void tile_any_blocks(int64_t mr, const float* x, int64_t ldx, const B& bl
 }
 
 // `linear` for float32 weights held as blocks (above): y[M, N] (+)= x[M, K] @ w^T + bias, bitwise
-// what `linear` gives for the float32 matrix (N even). Threads split the weight rows in pairs;
-// each pair meets the input rows in passes of up to kBlockMostRows.
+// what `linear` gives for the float32 matrix (N even). `for_each_pass` splits the weight rows and
+// the input rows as for `linear`; each block of 8 weight rows goes through its tiles a pair at a time.
 template <typename B>
 void linear_blocks(const float* x, int64_t M, int64_t ldx, const B& blocks, int64_t N, const float* bias,
                    float* y, int64_t ldy, bool accumulate) {
-  at::parallel_for(0, N / 2, 8, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = 2 * p;
-      const B rows = blocks.rows(n0);
-      const float* bn = bias ? bias + n0 : nullptr;
-      for (int64_t m = 0; m < M;) {
-        const int64_t rest = M - m;
-        const int64_t mr =
-            rest <= kBlockMostRows ? rest : rest <= 2 * kBlockMostRows ? (rest + 1) / 2 : kBlockMostRows;
-        tile_any_blocks(mr, x + m * ldx, ldx, rows, bn, y + m * ldy + n0, ldy, accumulate);
-        m += mr;
-      }
-    }
-  });
+  for_each_pass(M, N, [&](int64_t m, int64_t mr, int64_t n0, int64_t nr, bool) {
+    for (int64_t j = n0; j < n0 + nr; j += 2)
+      tile_any_blocks(mr, x + m * ldx, ldx, blocks.rows(j), bias ? bias + j : nullptr, y + m * ldy + j, ldy,
+                      accumulate);
+  }, kBlockMostRows);
 }
 
 // Sum of squares in fixed order: 8 lanes over the row, hsum, scalar tail.
@@ -1451,7 +1442,7 @@ class FastLlamaKernel {
 
   // Layer `l`'s matrix `which` (0 wqkv, 1 wo, 2 wgu, 3 wdown), float32, also as exact 4-bit blocks
   // (`linear_blocks`): q [N, K / 32, 16] uint8, dm [N, K / 32, 2] float32. The caller has checked that
-  // they dequantise to the matrix bitwise (FastLlama's `_q4_blocks`); calls of up to `q4_rows`
+  // they dequantise to the matrix bitwise (FastLlama's `_q4_blocks`); calls of up to `set_block_rows`'
   // tokens then read them instead of the float32 matrix.
   void set_q4(int64_t l, int64_t which, at::Tensor q, at::Tensor dm) {
     TORCH_CHECK(l >= 0 && l < static_cast<int64_t>(layers_.size()) && which >= 0 && which < 4,
@@ -1473,8 +1464,8 @@ class FastLlamaKernel {
 
   // The float32 head also as exact 8-bit blocks (`linear_blocks`): q [V, H / 32, 32] int8,
   // d [V, H / 32] float32, checked by the caller (FastLlama's `_q8_blocks`). Calls wanting the whole
-  // head's logits for up to `rows` rows then read them instead of the float32 head (0: never).
-  void set_head_q8(at::Tensor q, at::Tensor d, int64_t rows) {
+  // head's logits for up to `set_block_rows`' rows then read them instead of the float32 head.
+  void set_head_q8(at::Tensor q, at::Tensor d) {
     TORCH_CHECK(head_.w.defined() && head_.w.scalar_type() == at::kFloat, "a float32 head must be set first");
     const int64_t V = head_.w.size(0), H = H_;
     TORCH_CHECK(H % 32 == 0 && V % 2 == 0, "8-bit blocks need H % 32 == 0 and V even");
@@ -1484,16 +1475,16 @@ class FastLlamaKernel {
     TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.dim() == 2 && d.size(0) == V &&
                     d.size(1) == H / 32,
                 "d must be contiguous float32 [V, H / 32]");
-    TORCH_CHECK(rows >= 0, "rows must be >= 0");
     head_.q8 = q;
     head_.q8d = d;
-    head_q8_rows_ = rows;
   }
 
-  // Calls of up to `rows` tokens read the 4-bit blocks where a matrix has them (0: never).
-  void set_q4_rows(int64_t rows) {
-    TORCH_CHECK(rows >= 0, "rows must be >= 0");
-    q4_rows_ = rows;
+  // Calls of up to `layers` tokens read a layer matrix's 4-bit blocks, and whole-head logits of up
+  // to `head` rows the head's 8-bit blocks, where they have them (0: never).
+  void set_block_rows(int64_t layers, int64_t head) {
+    TORCH_CHECK(layers >= 0 && head >= 0, "rows must be >= 0");
+    q4_rows_ = layers;
+    head_q8_rows_ = head;
   }
 
   // The embedding has the weights' type; an int8 one is dequantised row by row (`embed_scale`).
@@ -2055,7 +2046,7 @@ class FastLlamaKernel {
   bool paired_ = false;
   bool kv_half_ = false;  // the caches hold float16, not float32
   int64_t q4_rows_ = kBlockMostRows;  // calls of up to this many tokens read 4-bit blocks (`set_q4`)
-  int64_t head_q8_rows_ = 0;  // whole-head logits of up to this many rows read 8-bit blocks
+  int64_t head_q8_rows_ = kBlockMostRows;  // whole-head logits of up to this many rows read 8-bit blocks
   Schedule schedule_;
   at::Tensor hidden_;
   std::vector<Layer> layers_;
@@ -2087,9 +2078,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_wide_float_rows", &FastLlamaKernel::set_wide_float_rows)
       .def("set_q4", &FastLlamaKernel::set_q4, pybind11::arg("layer"), pybind11::arg("which"),
            pybind11::arg("q"), pybind11::arg("dm"))
-      .def("set_q4_rows", &FastLlamaKernel::set_q4_rows)
-      .def("set_head_q8", &FastLlamaKernel::set_head_q8, pybind11::arg("q"), pybind11::arg("d"),
-           pybind11::arg("rows"))
+      .def("set_block_rows", &FastLlamaKernel::set_block_rows, pybind11::arg("layers"), pybind11::arg("head"))
+      .def("set_head_q8", &FastLlamaKernel::set_head_q8, pybind11::arg("q"), pybind11::arg("d"))
       .def("set_rope", &FastLlamaKernel::set_rope)
       .def("set_cache", &FastLlamaKernel::set_cache)
       .def("move_positions", &FastLlamaKernel::move_positions)

@@ -462,10 +462,9 @@ def _q4_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         ok = _same_bits(cand[..., None] * qc.float() + lo[..., None], part).all(dim=-1)
         return qc, ok
 
-    qc, left = rebuild(blocks, low, step.float())  # the nearest step rebuilds nearly every block
-    q = qc
+    q, ok = rebuild(blocks, low, step.float())  # the nearest step rebuilds nearly every block
     d = step.float().clamp(min=0.0)
-    left = ~left
+    left = ~ok
     for nudge in (1, -1, 2, -2):  # the rest: neighbouring float16 steps
         idx = left.nonzero(as_tuple=True)
         if idx[0].numel() == 0:
@@ -767,10 +766,10 @@ class FastLlama:
             for which, key in enumerate(_LAYER_MATRICES):
                 if lw.get(key + "_q4") is not None:
                     k.set_q4(i, which, lw[key + "_q4"], lw[key + "_q4dm"])
-        k.set_q4_rows(self.q4_rows)
         k.set_head(w["embed"], w["norm"], w["head"], w["embed_scale"], w["head_scale"])
         if w.get("head_q8") is not None:
-            k.set_head_q8(w["head_q8"], w["head_q8d"], self.head_q8_rows)
+            k.set_head_q8(w["head_q8"], w["head_q8d"])
+        k.set_block_rows(self.q4_rows, self.head_q8_rows)
         if "head_screen" in w:
             sc = w["head_screen"]
             k.set_head_screen(sc["codes"], sc["scale"], sc["wnorm"], sc["resid"])
@@ -825,21 +824,20 @@ class FastLlama:
         (``head_q8_rows``) read whole, the blocks. With ``blocks=False``: what the step would read
         without any blocks (the float32 matrices and head instead)."""
         w = self._w
-        total = self.weight_bytes()
-        if self._kernel is not None and self.q4_rows > 0:
-            for layer in w["layers"]:
-                for key in _LAYER_MATRICES:
-                    if layer.get(key + "_q4") is not None:
-                        unread = [layer[key]] if blocks else [layer[key + "_q4"], layer[key + "_q4dm"]]
-                        total -= tensor_bytes(unread)
+        unread: list[torch.Tensor] = []
+        for layer in w["layers"]:
+            for key in _LAYER_MATRICES:
+                if layer.get(key + "_q4") is not None:
+                    q4 = [layer[key + "_q4"], layer[key + "_q4dm"]]
+                    unread += [layer[key]] if blocks and self.q4_rows > 0 else q4
+        head_q8 = [w["head_q8"], w["head_q8d"]] if w.get("head_q8") is not None else []
         screen = w.get("head_screen")
-        head_blocks = [w["head_q8"], w["head_q8d"]] if w.get("head_q8") is not None else []
         if greedy and screen is not None:  # the screen and a few rows of the head
-            return total - tensor_bytes(w["head"]) - tensor_bytes(head_blocks)
-        total -= tensor_bytes(screen) if screen is not None else 0
-        if head_blocks and blocks and self.head_q8_rows > 0:  # the whole head, as its blocks
-            return total - tensor_bytes(w["head"])
-        return total - tensor_bytes(head_blocks)
+            unread += [w["head"], *head_q8]
+        else:
+            unread += list(screen.values()) if screen is not None else []
+            unread += [w["head"]] if head_q8 and blocks and self.head_q8_rows > 0 else head_q8
+        return self.weight_bytes() - tensor_bytes(unread)
 
     def screen_counts(self) -> tuple[int, int]:
         """``(rows, whole)``: rows of logits screened so far, and how many of them took the whole
