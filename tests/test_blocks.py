@@ -15,7 +15,15 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from verispec.models.fast_llama import _LAYER_MATRICES, FastLlama, _q4_blocks, _q8_blocks, kernel_available
+from verispec.models import schedule
+from verispec.models.fast_llama import (
+    _LAYER_MATRICES,
+    FastLlama,
+    _group_blocks,
+    _q4_blocks,
+    _q8_blocks,
+    kernel_available,
+)
 
 requires_kernel = pytest.mark.skipif(not kernel_available(), reason="C++ kernel could not be built here")
 
@@ -90,6 +98,29 @@ def test_8bit_blocks_rebuild_a_q8_0_matrix_bitwise() -> None:
     assert _q8_blocks(bent) is None
 
 
+def test_blocks_are_grouped_eight_rows_at_a_time_codes_then_scales() -> None:
+    """The kernel's ``Grouped`` layout: for each group of 8 rows (the last may hold fewer) and block,
+    the group's codes, then its scales' bytes."""
+    n, nb = 12, 3  # one full group and a group of 4
+    codes = torch.arange(n * nb * 2, dtype=torch.int64).remainder(256).to(torch.uint8).view(n, nb, 2)
+    scales = torch.arange(n * nb, dtype=torch.float32).view(n, nb) + 0.5
+    flat = _group_blocks(codes, scales)
+    assert flat.dtype == torch.uint8 and flat.numel() == n * nb * (2 + 4)
+
+    def at(offset: int, rows: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row ``row``'s codes and scale in the group-block starting at ``offset``."""
+        block = flat[offset : offset + rows * 6]
+        scale = block[2 * rows + 4 * row : 2 * rows + 4 * row + 4]
+        return block[2 * row : 2 * row + 2], scale.view(torch.float32)
+
+    for r in range(n):
+        g, rows = r // 8, 8 if r < 8 else 4
+        for b in range(nb):
+            offset = g * 8 * nb * 6 + b * rows * 6
+            got_codes, got_scale = at(offset, rows, r % 8)
+            assert torch.equal(got_codes, codes[r, b]) and got_scale.item() == scales[r, b].item()
+
+
 def _q4_llama() -> LlamaForCausalLM:
     """A tiny Llama whose layer matrices all have Q4_1 blocks and whose tied embedding (its head)
     has Q8_0 blocks, as SmolLM2's GGUF (GQA, head_dim 32)."""
@@ -119,7 +150,7 @@ def _attn(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
 
 
 @requires_kernel
-@pytest.mark.parametrize("rows", [6, 16])  # 16: every call reads the blocks, in passes of up to 6
+@pytest.mark.parametrize("rows", [6, 16])  # 16: every call reads the blocks, in passes of up to 12
 def test_kernel_reading_blocks_is_bitwise_the_float32_kernel(
     monkeypatch: pytest.MonkeyPatch, rows: int
 ) -> None:
@@ -127,11 +158,11 @@ def test_kernel_reading_blocks_is_bitwise_the_float32_kernel(
     monkeypatch.setattr(FastLlama, "q4_rows", rows)
     blocks = FastLlama.from_hf(hf, dtype="float32", max_batch_size=2)
     assert all(layer.get(k + "_q4") is not None for layer in blocks._w["layers"] for k in _LAYER_MATRICES)
-    assert blocks._w.get("head_q8") is not None
+    assert blocks._w.get("head_q8") is not None and blocks.has_blocks
     monkeypatch.setattr(FastLlama, "q4_weights", False)
     dense = FastLlama.from_hf(hf, dtype="float32", max_batch_size=2)
     assert all(layer.get(k + "_q4") is None for layer in dense._w["layers"] for k in _LAYER_MATRICES)
-    assert dense._w.get("head_q8") is None
+    assert dense._w.get("head_q8") is None and not dense.has_blocks
     assert blocks.read_bytes() < dense.read_bytes()
     assert blocks.read_bytes(blocks=False) == dense.read_bytes()
     assert blocks.read_bytes(greedy=True) < dense.read_bytes(greedy=True)
@@ -170,3 +201,17 @@ def test_int8_and_torch_path_take_no_blocks() -> None:
         FastLlama.from_hf(hf, dtype="float32", use_kernel=False),
     ):
         assert all(layer.get(k + "_q4") is None for layer in fast._w["layers"] for k in _LAYER_MATRICES)
+
+
+@requires_kernel
+def test_timing_the_blocks_leaves_the_model_as_it_was() -> None:
+    """``schedule.measure_blocks`` (run once per machine on models of real size) times calls with
+    and without the blocks, then hands the model back empty, with its own limits."""
+    model = FastLlama.from_hf(_q4_llama(), dtype="float32", max_batch_size=2)
+    times = schedule.measure_blocks(model, widths=(2, 5), rounds=1, context=16)
+    assert set(times) == {"blocks", "rows"} and all(len(times[p][t]) == 1 for p in times for t in (2, 5))
+    assert model._batch == 2 and model.lengths.tolist() == [0, 0]
+    assert 1 <= schedule.blocks_crossing(times) <= 5
+    ids = torch.randint(0, 300, (1, 8), generator=torch.Generator().manual_seed(5))
+    fresh = FastLlama.from_hf(_q4_llama(), dtype="float32")
+    assert torch.equal(model.forward(ids, rows=[0]), fresh.forward(ids))

@@ -26,6 +26,9 @@ class _Kernel:
     def set_schedule(self, *sched: object) -> None:
         self.schedule = sched
 
+    def set_block_rows(self, layers: int, head: int) -> None:
+        self.block_rows = (layers, head)
+
 
 class _Model:
     """What ``apply`` and ``measure_crossing`` read of a FastLlama: its kernel, dtype, context cap and
@@ -33,6 +36,8 @@ class _Model:
 
     dtype = "int8"
     max_length = 8192
+    has_blocks = True
+    q4_rows = head_q8_rows = 6
 
     def __init__(self, size: int) -> None:
         self._kernel = _Kernel()
@@ -214,3 +219,57 @@ def test_apply_prefill_keeps_small_models_and_obeys_the_environment(
         monkeypatch.setenv(schedule.PREFILL_ENV, bad)
         with pytest.raises(ConfigError, match="VERISPEC_KERNEL_PREFILL_MAX"):
             schedule.apply_prefill(model)
+
+
+def _block_times(blocks: dict[int, float], rows: dict[int, float]) -> dict[str, dict[int, list[float]]]:
+    return {
+        "blocks": {t: [v * 1.4, v] for t, v in blocks.items()},
+        "rows": {t: [v, v * 1.2] for t, v in rows.items()},
+    }
+
+
+def test_blocks_crossing_is_the_last_width_before_the_float32_matrices_win() -> None:
+    rows = {2: 10.0, 4: 10.5, 6: 11.0, 8: 11.5, 10: 12.0}
+    assert schedule.blocks_crossing(_block_times({2: 4.0, 4: 6.0, 6: 8.0, 8: 11.0, 10: 13.0}, rows)) == 8
+    assert schedule.blocks_crossing(_block_times({2: 11.0, 4: 6.0, 6: 8.0, 8: 9.0, 10: 10.0}, rows)) == 1
+    assert schedule.blocks_crossing(_block_times({t: 1.0 for t in rows}, rows)) == 10
+
+
+@pytest.fixture
+def blocks_timed(monkeypatch: pytest.MonkeyPatch, tmp_path) -> list[int]:
+    """A cache in tmp_path and a fake block measurement whose crossing is 6 tokens."""
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    monkeypatch.delenv(schedule.BLOCKS_ENV, raising=False)
+    calls: list[int] = []
+
+    def measure_blocks(model, widths=schedule.BLOCK_WIDTHS, rounds: int = 4, context: int = 64):
+        calls.append(1)
+        return _block_times({2: 1.0, 4: 2.0, 6: 3.0, 8: 5.0}, {2: 4.0, 4: 4.0, 6: 4.0, 8: 4.0})
+
+    monkeypatch.setattr(schedule, "measure_blocks", measure_blocks)
+    return calls
+
+
+def test_apply_blocks_measures_once_per_machine_and_sets_both_limits(blocks_timed, tmp_path) -> None:
+    model = _Model(schedule.MIN_TUNED_BYTES)
+    assert schedule.apply_blocks(model) == 6
+    assert model.q4_rows == model.head_q8_rows == 6 and model._kernel.block_rows == (6, 6)
+    cached = json.loads((tmp_path / "kernel_schedule.json").read_text())
+    assert list(cached.values()) == [6] and next(iter(cached)).startswith(schedule.BLOCKS_KEY)
+    assert schedule.apply_blocks(_Model(model.size)) == 6 and len(blocks_timed) == 1
+
+
+def test_apply_blocks_keeps_the_default_where_untimed_and_obeys_the_environment(
+    blocks_timed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert schedule.apply_blocks(_Model(schedule.MIN_TUNED_BYTES - 1)) == _Model.q4_rows
+    plain = _Model(schedule.MIN_TUNED_BYTES)
+    plain.has_blocks = False
+    assert schedule.apply_blocks(plain) == _Model.q4_rows and not blocks_timed
+    monkeypatch.setenv(schedule.BLOCKS_ENV, "0")  # never read the blocks
+    model = _Model(schedule.MIN_TUNED_BYTES)
+    assert schedule.apply_blocks(model) == 0 and model._kernel.block_rows == (0, 0) and not blocks_timed
+    for bad in ("many", "-2"):
+        monkeypatch.setenv(schedule.BLOCKS_ENV, bad)
+        with pytest.raises(ConfigError, match="VERISPEC_BLOCK_ROWS"):
+            schedule.apply_blocks(model)

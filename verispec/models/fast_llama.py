@@ -507,6 +507,37 @@ def _q8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     return q.contiguous(), d.contiguous()
 
 
+def _group_blocks(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Blocks laid out as the kernel reads them (its ``Grouped``): rows in groups of 8 (the last may
+    hold fewer), and for each group and block, the group's codes then its scales, so that a pass
+    over 8 weight rows reads one stream from memory.
+
+    Args:
+        codes: ``[N, B, c]`` one byte each (``_q4_blocks``' uint8 or ``_q8_blocks``' int8).
+        scales: ``[N, B, s]`` or ``[N, B]`` float32.
+
+    Returns:
+        ``[N * B * (c + 4 s)]`` uint8.
+    """
+    n, nb = codes.shape[:2]
+    c = codes.contiguous().view(torch.uint8).reshape(n, nb, -1)
+    sc = scales.reshape(n, nb, -1).contiguous().view(torch.uint8)  # [N, B, 4 s]
+
+    def groups(rows: slice, size: int) -> torch.Tensor:  # [G, B, size * (c + 4 s)] for groups of size
+        def lay(t: torch.Tensor) -> torch.Tensor:
+            part = t[rows]
+            width = part.shape[-1]
+            return part.reshape(-1, size, nb, width).transpose(1, 2).reshape(-1, nb, size * width)
+
+        return torch.cat([lay(c), lay(sc)], dim=2)
+
+    full = n - n % 8
+    parts = [groups(slice(0, full), 8).reshape(-1)]
+    if n % 8:
+        parts.append(groups(slice(full, n), n % 8).reshape(-1))
+    return torch.cat(parts)
+
+
 class FastLlama:
     """Llama-family causal LM with a static per-row KV cache; implements ``KVModel``."""
 
@@ -545,9 +576,12 @@ class FastLlama:
     with bitwise the same outputs. ``VERISPEC_NO_Q4=1`` turns it off."""
     q4_rows: int = 6
     """Calls of up to this many tokens read the 4-bit blocks; wider ones, whose arithmetic outweighs
-    the reading, the float32 matrices (the outputs are the same). Measured on the 2-core EPYC (all 120
-    layer matrices of SmolLM2-135M, min of 9 interleaved rounds, ms, float32 / blocks): 1 token
-    13.3 / 5.8, 2 15.0 / 6.8, 5 14.8 / 9.6, 9 14.7 / 17.9."""
+    the reading, the float32 matrices (the outputs are the same). Measured on the 2-core EPYC (Zen 4,
+    256-bit tiles; all 120 layer matrices of SmolLM2-135M, min of 9 interleaved rounds, ms, float32 /
+    blocks): 1 token 13.3 / 5.8, 2 15.0 / 6.8, 5 14.8 / 9.6, 9 14.7 / 17.9. The default for small
+    models; a model of real size with blocks sets both this and ``head_q8_rows`` per instance to the
+    crossing measured once per machine (:func:`verispec.models.schedule.apply_blocks`: 8 tokens on a
+    Zen 5 EPYC with 512-bit tiles)."""
     head_q8_rows: int = 6
     """Calls wanting the whole head's logits (sampling; greedy ones without the screen, or whose
     screen could not decide) for up to this many rows read its exact 8-bit blocks where it has them
@@ -633,6 +667,7 @@ class FastLlama:
         if self._kernel is not None:
             self.kernel_schedule = schedule.apply(self)
             schedule.apply_prefill(self)
+            schedule.apply_blocks(self)
 
     @property
     def record_hidden(self) -> bool:
@@ -717,10 +752,10 @@ class FastLlama:
                 for key in _LAYER_MATRICES:
                     blocks = _q4_blocks(layer[key])
                     if blocks is not None:
-                        layer[key + "_q4"], layer[key + "_q4dm"] = blocks
+                        layer[key + "_q4"] = _group_blocks(*blocks)
             head_blocks = _q8_blocks(weights["head"])
             if head_blocks is not None:
-                weights["head_q8"], weights["head_q8d"] = head_blocks
+                weights["head_q8"] = _group_blocks(*head_blocks)
         if device.type == "cpu":
             _onto_huge_pages(weights)
         if use_kernel and cls.pair_weights:
@@ -765,10 +800,10 @@ class FastLlama:
         for i, lw in enumerate(w["layers"]):
             for which, key in enumerate(_LAYER_MATRICES):
                 if lw.get(key + "_q4") is not None:
-                    k.set_q4(i, which, lw[key + "_q4"], lw[key + "_q4dm"])
+                    k.set_q4(i, which, lw[key + "_q4"])
         k.set_head(w["embed"], w["norm"], w["head"], w["embed_scale"], w["head_scale"])
         if w.get("head_q8") is not None:
-            k.set_head_q8(w["head_q8"], w["head_q8d"])
+            k.set_head_q8(w["head_q8"])
         k.set_block_rows(self.q4_rows, self.head_q8_rows)
         if "head_screen" in w:
             sc = w["head_screen"]
@@ -828,9 +863,9 @@ class FastLlama:
         for layer in w["layers"]:
             for key in _LAYER_MATRICES:
                 if layer.get(key + "_q4") is not None:
-                    q4 = [layer[key + "_q4"], layer[key + "_q4dm"]]
+                    q4 = [layer[key + "_q4"]]
                     unread += [layer[key]] if blocks and self.q4_rows > 0 else q4
-        head_q8 = [w["head_q8"], w["head_q8d"]] if w.get("head_q8") is not None else []
+        head_q8 = [w["head_q8"]] if w.get("head_q8") is not None else []
         screen = w.get("head_screen")
         if greedy and screen is not None:  # the screen and a few rows of the head
             unread += [w["head"], *head_q8]
@@ -838,6 +873,14 @@ class FastLlama:
             unread += list(screen.values()) if screen is not None else []
             unread += [w["head"]] if head_q8 and blocks and self.head_q8_rows > 0 else head_q8
         return self.weight_bytes() - tensor_bytes(unread)
+
+    @property
+    def has_blocks(self) -> bool:
+        """Whether some weight is also held as its exact blocks (``q4_weights``)."""
+        w = self._w
+        return w.get("head_q8") is not None or any(
+            layer.get(key + "_q4") is not None for layer in w["layers"] for key in _LAYER_MATRICES
+        )
 
     def screen_counts(self) -> tuple[int, int]:
         """``(rows, whole)``: rows of logits screened so far, and how many of them took the whole
@@ -1241,14 +1284,14 @@ def _onto_huge_pages(weights: dict[str, Any]) -> None:
     """
     slots = [(layer, key) for layer in weights["layers"] for key in _LAYER_MATRICES]
     slots += [
-        (layer, key + part)
+        (layer, key + "_q4")
         for layer in weights["layers"]
         for key in _LAYER_MATRICES
-        for part in ("_q4", "_q4dm")
-        if layer.get(key + part) is not None
+        if layer.get(key + "_q4") is not None
     ]
     slots.append((weights, "embed"))
-    slots += [(weights, key) for key in ("head_q8", "head_q8d") if weights.get(key) is not None]
+    if weights.get("head_q8") is not None:
+        slots.append((weights, "head_q8"))
     tied = weights["head"] is weights["embed"]
     if not tied:
         slots.append((weights, "head"))

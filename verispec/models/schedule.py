@@ -80,6 +80,13 @@ PREFILL_LIMITS = (16, 2 * PREFILL_LONG)
 size a prompt is one kernel call anyway, and far past the measured lengths (at most twice the
 longest, :data:`PREFILL_LONG`) a line is a guess."""
 
+BLOCKS_ENV = "VERISPEC_BLOCK_ROWS"
+BLOCKS_KEY = "blocks-v1|"
+"""Prefix of the cached block-row crossings' keys (:func:`apply_blocks`); changed whenever either
+path's cost changes, so that every machine measures again."""
+BLOCK_WIDTHS = (2, 4, 6, 8, 10, 12, 14, 16)
+"""Call widths :func:`measure_blocks` times: decoding, verification of 1-15 drafts."""
+
 MIN_TUNED_BYTES = 64 * 2**20
 """Models whose weights are smaller keep :data:`DEFAULT` untimed: they stay in the caches, where the
 schedules differ by little, and tests build many tiny models."""
@@ -119,6 +126,7 @@ def measure(model: Any, rounds: int = 6, context: int = 64) -> dict[str, list[fl
     :data:`DEFAULT`."""
     kernel, batch = model._kernel, model._batch
     ids = torch.arange(context + 5).remainder(model.vocab_size).view(1, -1)  # [1, context + 5]
+    kernel.set_block_rows(0, 0)  # the schedule is how the float32 matrices are read, not the blocks
     model.reset(1)
     model.forward(ids[:, :context], logits="none")
     back = torch.tensor([context])
@@ -133,6 +141,7 @@ def measure(model: Any, rounds: int = 6, context: int = 64) -> dict[str, list[fl
             if r:
                 times[name].append(time.perf_counter() - start)
     kernel.set_schedule(*SCHEDULES[DEFAULT])
+    kernel.set_block_rows(model.q4_rows, model.head_q8_rows)
     model.reset(batch)
     return times
 
@@ -212,6 +221,84 @@ def apply(model: Any) -> str:
 
 
 @torch.no_grad()
+@torch.no_grad()
+def measure_blocks(
+    model: Any, widths: tuple[int, ...] = BLOCK_WIDTHS, rounds: int = 4, context: int = 64
+) -> dict[str, dict[int, list[float]]]:
+    """Seconds of a forward of each of ``widths`` tokens after ``context`` (whole-head logits, as a
+    sampled verification wants them), reading the exact blocks and reading the float32 matrices,
+    alternating over ``rounds`` (after one uncounted warm-up round): ``{"blocks": {T: [s, ...]},
+    "rows": {...}}``. Leaves ``model`` (a kernel ``FastLlama`` with blocks) empty, for as many rows as
+    before, with its own block rows."""
+    kernel, batch = model._kernel, model._batch
+    ids = torch.arange(context + max(widths)).remainder(model.vocab_size).view(1, -1)  # [1, C + W]
+    back = torch.tensor([context])
+    limit = {"blocks": max(widths), "rows": 0}
+    times: dict[str, dict[int, list[float]]] = {path: {t: [] for t in widths} for path in limit}
+    try:
+        model.reset(1)
+        model.forward(ids[:, :context], logits="none")
+        for r in range(rounds + 1):
+            for t in widths:
+                for path in limit if r % 2 else reversed(limit):
+                    kernel.set_block_rows(limit[path], limit[path])
+                    start = time.perf_counter()
+                    model.forward(ids[:, context : context + t], logits="all")
+                    if r:
+                        times[path][t].append(time.perf_counter() - start)
+                    model.truncate(back)
+    finally:
+        kernel.set_block_rows(model.q4_rows, model.head_q8_rows)
+        model.reset(batch)
+    return times
+
+
+def blocks_crossing(times: dict[str, dict[int, list[float]]]) -> int:
+    """The widest call that still reads the blocks: the last measured width, in increasing order,
+    before the first where the float32 matrices are faster (least times); 1 if none."""
+    widest = 1
+    for t in sorted(times["blocks"]):
+        if min(times["blocks"][t]) > min(times["rows"][t]):
+            break
+        widest = t
+    return widest
+
+
+def apply_blocks(model: Any) -> int:
+    """Set how many tokens a call of ``model`` (a kernel ``FastLlama``, its cache empty) may have and
+    still read its exact blocks (``q4_rows`` and ``head_q8_rows``), and return it:
+    ``VERISPEC_BLOCK_ROWS`` if set to a number, the class's default for small models or a model
+    without blocks, else the cached crossing for this CPU and model, else :func:`blocks_crossing`
+    of :func:`measure_blocks`, cached. Each further token costs its multiply-adds either way, and
+    the blocks also their widening, so past some width the float32 matrices, read once from memory,
+    are faster; where depends on the CPU's arithmetic (2-core EPYC, whole-head logits at 200 cached
+    tokens, min of 15, ms, float32 / blocks: Zen 4 with 256-bit tiles, 5 tokens 17.4 / 13.8-14.6, 9
+    17.6 / 19.6-19.9; Zen 5 with 512-bit tiles, 8 tokens 14.0 / 12.5, 10 14.1 / 17.9)."""
+    from verispec.config import ConfigError
+
+    wanted = os.environ.get(BLOCKS_ENV, "auto") or "auto"
+    if wanted != "auto":
+        try:
+            value = int(wanted)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise ConfigError(f"{BLOCKS_ENV} must be auto or a number of tokens; got {wanted!r}")
+    elif not model.has_blocks or model.weight_bytes() < MIN_TUNED_BYTES:
+        value = type(model).q4_rows
+    else:
+        value = _cached(
+            BLOCKS_KEY + _key(model),
+            lambda v: isinstance(v, int) and v >= 1,
+            lambda: blocks_crossing(measure_blocks(model)),
+            "float32 calls reading the weights' blocks and their float32 copy",
+            "about 2 s",
+        )
+    model.q4_rows = model.head_q8_rows = value
+    model._kernel.set_block_rows(value, value)
+    return value
+
+
 def measure_prefill(
     model: Any, sizes: tuple[int, ...] = PREFILL_SIZES, rounds: int = 3
 ) -> dict[str, dict[int, list[float]]]:
