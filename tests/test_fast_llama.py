@@ -807,7 +807,7 @@ def test_int8_kernel_linear_is_exact_integer_products_of_int16_activations(K: in
 @requires_kernel
 @pytest.mark.parametrize("K", [96, 4112])  # one integer chunk; two (4096 + 16)
 def test_int8_kernel_linear_on_paired_weights_is_the_same_exact_product(K: int) -> None:
-    """Pair-interleaved int8 weights meet 2-6 input rows per pass in tiles of two pairs (four weight
+    """Pair-interleaved int8 weights meet 2-9 input rows per pass in tiles of two pairs (four weight
     rows, their sums leaving the registers together) and single pairs where a block has only one
     left, from as few rows as the machine's schedule says; every schedule, row count and block
     remainder gives the exact integer product, bitwise."""
@@ -822,7 +822,9 @@ def test_int8_kernel_linear_on_paired_weights_is_the_same_exact_product(K: int) 
         paired = q.clone()
         _interleave_pairs(paired)
         assert not torch.equal(paired, q)
-        for m in (1, 2, 3, 4, 5, 6, 7, 9, 13):  # passes of up to 6 rows: 7 = 4 + 3, 13 = 6 + 6 + 1
+        # Passes of up to 6 rows (7 = 4 + 3, 13 = 6 + 6 + 1), or with AVX-512 VNNI, from 5 rows,
+        # 512-bit tiles in passes of up to 9 (10 = 5 + 5, 13 = 7 + 6).
+        for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13):
             x = torch.randn(m, K, generator=g)
             want = _int16_activation_linear(x, q, bias, scale)
             for name, sched in SCHEDULES.items():

@@ -29,8 +29,9 @@
 // token) and 18.6 to 16.4 ms (five; min of 8 interleaved rounds; benchmarks/README.md, session 14).
 //
 // Compiled at first use by torch.utils.cpp_extension.load with -mavx2 -mfma (and -mavx512vnni
-// -mavx512vl where the CPU has them; both builds give bitwise the same integers; and -mavx512f on
-// AVX-512 CPUs, for `tile2p_z`, whose float32 products are bitwise those of the 256-bit tiles).
+// -mavx512vl -mavx512bw where the CPU has them; every build gives bitwise the same integers; and
+// -mavx512f on AVX-512 CPUs, for `tile2p_z` and `tile_blocks_z`, whose float32 products are bitwise
+// those of the 256-bit tiles).
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -334,6 +335,70 @@ inline void tile_q2p(const int16_t* x, int64_t ldx, const float* xs, const i8* w
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int kWideInt8Rows = 5;
+// Most input rows per pass of `tile_q2p_z`: with 10 or more (20 accumulators) the compiler spills
+// (10 rows 11.1 ms against two passes of 5, 7.5; 12 rows 12.9 against 8.2).
+constexpr int64_t kWideInt8MostRows = 9;
+
+inline __m512i dot_acc_z(__m512i acc, __m512i x, __m512i w) {  // as dot_acc, 32 products
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
+  return acc;
+}
+
+// `tile_q2p` in 512-bit registers: the 16 codes of a step for both rows of a pair (their
+// pair-interleaved layout puts them side by side) widened into one register, and the input's 16
+// values broadcast to both halves, so each instruction multiplies for two weight rows. The integer
+// sums are exact, so every output is the same as `tile_q2p`'s (and `tile_q`'s). Used for calls of
+// kWideInt8Rows input rows or more (`tile_rows_q_wide`): measured on a 2-core Zen 5 EPYC
+// (SmolLM2-135M int8 at 200 cached tokens, greedy step, min of 14, ms, in one process, `tile_q2p`
+// / this in every paired pass of 2 or more rows), 2 rows 4.56 / 4.71, 4 4.49 / 4.73, 5 4.97 / 4.63
+// and 5.85 / 5.20 (two runs): below 5 rows the step waits on memory, and the wider tile cost a few
+// percent.
+template <int MR>
+inline void tile_q2p_z(const int16_t* x, int64_t ldx, const float* xs, const i8* w, int64_t K,
+                       const float* scale, const float* bias, float* y, int64_t ldy, bool accumulate,
+                       int64_t pf) {
+  const i8* p0 = w;
+  const i8* p1 = w + 2 * K;
+  __m256d total[MR];
+  for (int i = 0; i < MR; ++i) total[i] = _mm256_setzero_pd();
+  for (int64_t c0 = 0; c0 < K; c0 += kIntChunk) {  // paired: K % 16 == 0, no tail
+    const int64_t c1 = std::min(K, c0 + kIntChunk);
+    __m512i acc[MR][2];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
+    for (int64_t k = c0; k < c1; k += 16) {
+      const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0 + 2 * k)));
+      const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p1 + 2 * k)));
+      if (pf != 0 && (2 * k) % kLine<i8> == 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(p0 + 2 * k + pf), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(p1 + 2 * k + pf), _MM_HINT_T1);
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        const __m512i xv = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i * ldx + k)));
+        acc[i][0] = dot_acc_z(acc[i][0], xv, w0);
+        acc[i][1] = dot_acc_z(acc[i][1], xv, w1);
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+      total[i] = _mm256_add_pd(
+          total[i], hsum4_i32(_mm512_castsi512_si256(acc[i][0]), _mm512_extracti64x4_epi64(acc[i][0], 1),
+                              _mm512_castsi512_si256(acc[i][1]), _mm512_extracti64x4_epi64(acc[i][1], 1)));
+  }
+  const __m256d sc = _mm256_cvtps_pd(_mm_loadu_ps(scale));
+  const __m128 b = bias != nullptr ? _mm_loadu_ps(bias) : _mm_setzero_ps();
+  for (int i = 0; i < MR; ++i) {
+    __m128 s = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_mul_pd(total[i], _mm256_set1_pd(xs[i])), sc));
+    if (bias != nullptr) s = _mm_add_ps(s, b);
+    float* out = y + i * ldy;
+    _mm_storeu_ps(out, accumulate ? _mm_add_ps(_mm_loadu_ps(out), s) : s);
+  }
+}
+#endif
+
 template <int MR>
 inline void tile_rows_q(const int16_t* x, int64_t ldx, const float* xs, const i8* w, int64_t K,
                         int64_t nr, const float* scale, const float* bias, float* y, int64_t ldy,
@@ -374,6 +439,37 @@ inline void tile_any_q(int64_t mr, const int16_t* x, int64_t ldx, const float* x
     default: return tile_rows_q<6>(x, ldx, xs, w, K, nr, scale, bias, y, ldy, acc, pf, paired, f);
   }
 }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// Paired int8 weights with tile_q2p_z, up to kWideInt8MostRows input rows per pass, for calls of at
+// least kWideInt8Rows rows: a verification of 9 tokens reads each block of weights once. Measured
+// as `tile_q2p_z`'s figures, ms, 256-bit tiles in passes of up to 6 / these: 8 rows 7.67 / 5.76, 9
+// 8.22 / 6.66, 12 10.60 / 8.20, 16 13.75 / 10.32.
+template <int MR>
+inline void tile_rows_q_wide(const int16_t* x, int64_t ldx, const float* xs, const i8* w, int64_t K,
+                             int64_t nr, const float* scale, const float* bias, float* y, int64_t ldy,
+                             bool acc, int64_t pf) {
+  int64_t j = 0;
+  for (; j + 4 <= nr; j += 4)
+    tile_q2p_z<MR>(x, ldx, xs, w + j * K, K, scale + j, bias ? bias + j : nullptr, y + j, ldy, acc, pf);
+  for (int64_t m = 0; j < nr && m < MR; m += 6)  // a last pair: pair tiles, 6 rows at a time
+    tile_any_q(std::min<int64_t>(6, MR - m), x + m * ldx, ldx, xs + m, w + j * K, K, nr - j, scale + j,
+               bias ? bias + j : nullptr, y + m * ldy + j, ldy, acc, pf, true, 1);
+}
+
+inline void tile_any_q_wide(int64_t mr, const int16_t* x, int64_t ldx, const float* xs, const i8* w,
+                            int64_t K, int64_t nr, const float* scale, const float* bias, float* y,
+                            int64_t ldy, bool acc, int64_t pf) {
+#define VERISPEC_WIDE_Q(R) \
+  case R: return tile_rows_q_wide<R>(x, ldx, xs, w, K, nr, scale, bias, y, ldy, acc, pf)
+  switch (mr) {
+    VERISPEC_WIDE_Q(1); VERISPEC_WIDE_Q(2); VERISPEC_WIDE_Q(3); VERISPEC_WIDE_Q(4);
+    VERISPEC_WIDE_Q(5); VERISPEC_WIDE_Q(6); VERISPEC_WIDE_Q(7); VERISPEC_WIDE_Q(8);
+    default: return tile_rows_q_wide<kWideInt8MostRows>(x, ldx, xs, w, K, nr, scale, bias, y, ldy, acc, pf);
+  }
+#undef VERISPEC_WIDE_Q
+}
+#endif
 
 // Each row of x [M, K] (stride ldx) as int16 q [M, K] and scale xs [M]: x ~= q * xs, with
 // xs = max |x| / 32767 and q rounded to nearest (ties to even); an all-zero row gets xs = 0.
@@ -704,6 +800,15 @@ void linear(const float* x, int64_t M, int64_t ldx, const WT* w, int64_t N, int6
     quantize_rows_i16(x, M, ldx, K, xq.data(), xs.data());
     const int16_t* q = xq.data();
     const float* qs = xs.data();
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if (paired && M >= kWideInt8Rows) {
+      for_each_pass(M, N, [&](int64_t m, int64_t mr, int64_t n0, int64_t nr, bool first) {
+        tile_any_q_wide(mr, q + m * K, K, qs + m, w + n0 * K, K, nr, scale + n0,
+                        bias ? bias + n0 : nullptr, y + m * ldy + n0, ldy, accumulate, first ? pf : 0);
+      }, kWideInt8MostRows);
+      return;
+    }
+#endif
     for_each_pass(M, N, [&](int64_t m, int64_t mr, int64_t n0, int64_t nr, bool first) {
       tile_any_q(mr, q + m * K, K, qs + m, w + n0 * K, K, nr, scale + n0, bias ? bias + n0 : nullptr,
                  y + m * ldy + n0, ldy, accumulate, first ? pf : 0, paired,
