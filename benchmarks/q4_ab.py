@@ -25,6 +25,7 @@ import math
 import verispec
 from verispec.api import speculative_generate
 from verispec.bench.prompts import load_prompts, select
+from verispec.costs import costs_for
 from verispec.distill.shipped import load_shipped_draft
 from verispec.lookup_first import LookupFirst
 from verispec.models.fast_llama import FastLlama
@@ -49,7 +50,7 @@ def main() -> None:
     finally:
         FastLlama.q4_weights = True
     targets = {"rows": rows, "blocks": blocks}
-    drafters = {name: LookupFirst(load_shipped_draft(t)) for name, t in targets.items()}
+    drafters = {name: LookupFirst(load_shipped_draft(t), costs=costs_for(t)) for name, t in targets.items()}
 
     def run(ids: list[int], config: str):
         method, weights = config.split("/")

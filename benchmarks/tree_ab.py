@@ -19,6 +19,7 @@ import math
 import verispec
 from verispec.api import speculative_generate
 from verispec.bench.prompts import load_prompts, select
+from verispec.costs import costs_for
 from verispec.distill.shipped import load_shipped_draft
 from verispec.lookup_first import LookupFirst
 from verispec.tokenizers import encode_prompt
@@ -38,7 +39,7 @@ def main() -> None:
     target = verispec.load_model("default", max_length=2048, dtype=args.dtype)
     head = load_shipped_draft(target)
     alternatives = head.alternatives
-    proposer = LookupFirst(head) if args.lookup_first else head
+    proposer = LookupFirst(head, costs=costs_for(target)) if args.lookup_first else head
 
     def run(ids: list[int], mode: str):
         if mode == "plain":

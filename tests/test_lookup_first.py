@@ -10,8 +10,9 @@ from test_exactness import DRAFT, SIGMAS, TARGET, Bigram, exact_law, max_z
 
 import verispec
 from verispec.api import as_kvmodel
+from verispec.costs import StepCosts
 from verispec.distill.eagle import EagleProposer
-from verispec.lookup_first import LookupFirst
+from verispec.lookup_first import DRAFT_COST_PRIOR, LookupFirst, _best_rate
 from verispec.proposers import DraftModelProposer, PromptLookup
 
 N = 20_000
@@ -178,3 +179,76 @@ def test_memory_report_finds_the_draft_behind_lookup_first():
     assert not any(k.startswith("draft") for k in memory_report(target, PromptLookup()))
     small = DraftModelProposer(as_kvmodel(tiny_draft := _fast_target(seed=1)[1]))
     assert memory_report(target, small)["draft_kv_cache"] == tiny_draft.cache_bytes()
+
+
+class _Counting:
+    """A draft that proposes token 5 and records how many tokens it was asked for; each call takes
+    at least ``sleep`` seconds."""
+
+    def __init__(self, sleep: float = 0.0) -> None:
+        self.asked: list[list[int]] = []
+        self.sleep = sleep
+
+    def start(self, slot, tokens):
+        pass
+
+    def propose(self, slots, committed, num_tokens, params, generators):
+        import time
+
+        time.sleep(self.sleep)
+        self.asked.append(num_tokens.tolist())
+        k = max(1, int(num_tokens.max()))
+        return verispec.proposers.Proposal(
+            tokens=torch.full((len(slots), k), 5), probs=None, num_draft=num_tokens.clone()
+        )
+
+
+def _costs(step: float, per_extra_token: float) -> StepCosts:
+    """Step costs measured as: one token ``step`` seconds, each further token ``per_extra_token``
+    of a step more."""
+    costs = StepCosts()
+    for _ in range(5):
+        costs.record(1, 1, step, context=10)
+        for width in range(2, 10):
+            costs.record(1, width, step * (1 + per_extra_token * (width - 1)), context=10)
+    return costs
+
+
+def test_best_rate_prices_verification_and_drafting() -> None:
+    curve = [1.0, 1.2, 1.5, 1.9]
+    rate, length = _best_rate([0.9, 0.8, 0.1], curve, 0.0)
+    assert length == 2 and rate == pytest.approx((1 + 0.9 + 0.72) / 1.5)
+    assert _best_rate([0.9, 0.8, 0.1], curve, 0.5) == (pytest.approx(1.9 / 1.7), 1)
+    assert _best_rate([0.1, 0.1], curve, 0.0) == (1.0, 0)  # nothing pays: a plain step
+    assert _best_rate([], curve, 0.0) == (1.0, 0)
+
+
+def test_the_draft_is_asked_only_for_what_pays_at_the_measured_costs() -> None:
+    """Cheap verification and a confident draft: it drafts both tokens. Dear verification: it
+    drafts one, or none, and a row with nothing worth drafting takes lookup's proposal."""
+    seq = list(range(10, 20))  # nothing repeats: lookup has no match
+    for per_extra, prior, want in ((0.05, 0.9, [[2]]), (0.3, 0.6, [[1]]), (0.8, 0.4, [])):
+        draft = _Counting()
+        proposer = LookupFirst(
+            draft, draft_tokens=2, draft_cost=0.0, costs=_costs(0.01, per_extra), prior=prior
+        )
+        proposer.start(0, seq)
+        got = proposer.propose([0], [seq], torch.tensor([4]), _greedy(), [None])
+        assert draft.asked == want, per_extra
+        assert int(got.num_draft[0]) == (want[0][0] if want else 0)
+
+
+def test_the_drafts_cost_is_measured_against_the_targets_step() -> None:
+    costs = _costs(0.004, 0.05)
+    draft = _Counting(sleep=0.004)  # a draft call costs at least one target step
+    proposer = LookupFirst(draft, draft_tokens=1, costs=costs, prior=0.95)
+    assert proposer.draft_cost(1, 10) == DRAFT_COST_PRIOR  # nothing timed yet
+    seq = list(range(10, 20))
+    proposer.start(0, seq)
+    proposer.propose([0], [seq], torch.tensor([1]), _greedy(), [None])
+    assert draft.asked == [[1]]
+    assert proposer.draft_cost(1, 10) >= 0.9
+    # At that cost a 95%-accepted token no longer pays for itself and its verification.
+    proposer.propose([0], [seq], torch.tensor([1]), _greedy(), [None])
+    assert draft.asked == [[1]]
+    assert LookupFirst(draft, draft_cost=0.3).draft_cost() == 0.3  # a fixed cost stays fixed

@@ -159,6 +159,16 @@ class StepCosts:
                 return v
         return 1.0 + PRIOR_EXTRA_TOKEN_COST * (width - 1)
 
+    def step_seconds(self, batch: int = 1, context: int = 0) -> float | None:
+        """Median seconds of a recent one-token step over ``batch`` rows after ``context`` cached
+        tokens: its bucket's, else the nearest shorter bucket's with any; None before any."""
+        home = context_bucket(context)
+        for bucket in range(home, -1, -1):
+            single = self._single.get((batch, bucket))
+            if single:
+                return statistics.median(single)
+        return None
+
     def ratios(self, widths: int, batch: int = 1, context: int = 0) -> list[float]:
         """``[v(1), ..., v(widths)]`` after ``context`` cached tokens."""
         return [self.ratio(w, batch, context) for w in range(1, widths + 1)]

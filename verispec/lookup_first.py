@@ -4,11 +4,13 @@ The two drafters are strong in different places. Prompt lookup costs nothing and
 match, is accepted nine times in ten, but most steps of open-ended text have no match worth copying.
 A trained draft (the EAGLE head shipped for the default model) is accepted about 40% of the time
 everywhere but costs a draft token's forward (0.04-0.07 of a target step on the kernel, session 4;
-a tenth or more before). :class:`LookupFirst` asks both every
-step: lookup's proposal comes with its estimated chances of acceptance; the draft's chance of
-acceptance per position is learned per sequence from what the target went on to commit (from a
-prior). Each row takes the proposal with more expected accepted tokens, the draft's net of its own
-cost. The engine then cuts either to the length worth verifying at the measured cost
+0.11-0.16 in session 24, once the target's step had become 4-7 times faster). :class:`LookupFirst`
+asks both every step: lookup's proposal comes with its estimated chances of acceptance; the draft's
+chance of acceptance per position is learned per sequence from what the target went on to commit
+(from a prior). Each row takes the proposal that promises more tokens per unit of cost: the
+target's measured cost of verifying it (the engine's :class:`~verispec.costs.StepCosts`), plus for
+the draft its own measured cost per token; and the draft drafts only as many tokens as pay. The
+engine then cuts either to the length worth verifying at the measured cost
 (``Proposal.accept_probs``), and verification is the same exact rejection sampling either way: the
 choice only moves speed, never the output distribution.
 
@@ -18,13 +20,19 @@ state is the same whichever drafter a row used last.
 
 from __future__ import annotations
 
+import statistics
+import time
+from collections import deque
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
+from verispec.costs import EXTRA_COST_WEIGHT, StepCosts, prior_ratios
 from verispec.proposers import AcceptanceCounts, PromptLookup, Proposal, Proposer, _empty
 from verispec.sampling import SamplingTensors
+
+DRAFT_COST_PRIOR = 0.1
+"""The draft's cost per token in target steps before it is measured (:class:`LookupFirst`)."""
 
 DRAFT_ACCEPTANCE_PRIOR = 0.4
 """Prior chance that a trained draft's token is accepted given the ones before it were: about the
@@ -39,10 +47,14 @@ class LookupFirst:
             it has one, is called for rows it did not draft for, to keep its state current.
         lookup: the prompt-lookup drafter (default: a new :class:`PromptLookup`).
         draft_tokens: at most this many draft-model tokens per step (lookup may use all of k).
-        draft_cost: the draft's cost per token in target steps, charged against its expected
-            accepted tokens when choosing. The default 0.1 was the shipped head's measured cost in
-            torch; on the kernel it measures 0.04-0.07 (benchmarks/DRAFTS.md, session 4), so 0.1 now
-            errs towards prompt lookup; the benchmark figures are with the default.
+        draft_cost: the draft's cost per token in target steps, charged with the verification
+            when choosing. None (the default): measured, as the median seconds per token of this
+            proposer's recent draft calls over the target's one-token step (``costs``), and
+            :data:`DRAFT_COST_PRIOR` until both are known. It moves with the target: 0.04-0.07 of a
+            float32 step on the kernel in session 4, 0.11-0.16 in session 24.
+        costs: the target's measured step costs (:func:`verispec.costs.costs_for`, which the
+            engine fills); None prices verification by the prior curve and leaves the draft's cost
+            at its prior.
         prior, prior_weight: the draft's prior acceptance per position, and how many observations it
             counts as.
     """
@@ -53,7 +65,8 @@ class LookupFirst:
         lookup: PromptLookup | None = None,
         *,
         draft_tokens: int = 2,
-        draft_cost: float = 0.1,
+        draft_cost: float | None = None,
+        costs: StepCosts | None = None,
         prior: float = DRAFT_ACCEPTANCE_PRIOR,
         prior_weight: float = 4.0,
     ):
@@ -64,7 +77,10 @@ class LookupFirst:
         self.draft = draft
         self.lookup = lookup if lookup is not None else PromptLookup()
         self.draft_tokens = draft_tokens
-        self.draft_cost = float(draft_cost)
+        self.fixed_draft_cost = None if draft_cost is None else float(draft_cost)
+        self.costs = costs
+        self._draft_seconds: deque[float] = deque(maxlen=31)
+        """Seconds per drafted token of the recent draft calls (batch, tokens drafted)."""
         self._stats = AcceptanceCounts([prior] * draft_tokens, prior_weight)
         """The draft's acceptance by position in its proposal, learned per slot."""
         self.chosen = {"lookup": 0, "draft": 0}
@@ -74,6 +90,15 @@ class LookupFirst:
         self.lookup.start(slot, tokens)
         self.draft.start(slot, tokens)
         self._stats.start(slot)
+
+    def draft_cost(self, batch: int = 1, context: int = 0) -> float:
+        """The draft's cost per token in target steps (see the class's ``draft_cost``)."""
+        if self.fixed_draft_cost is not None:
+            return self.fixed_draft_cost
+        step = self.costs.step_seconds(batch, context) if self.costs is not None else None
+        if not self._draft_seconds or not step:
+            return DRAFT_COST_PRIOR
+        return statistics.median(self._draft_seconds) / step
 
     def acceptance(self, slot: int) -> list[float]:
         """The draft's estimated conditional acceptance at each position for this slot."""
@@ -97,12 +122,16 @@ class LookupFirst:
         assert look.accept_probs is not None  # prompt lookup always estimates its tokens
         n_draft = min(k, self.draft_tokens)
         estimates = [self.acceptance(slot)[:n_draft] for slot in slots]
-        use_draft = []
+        context = max((len(toks) for toks in committed), default=0)
+        curve = self.costs.ratios(k + 1, batch, context) if self.costs is not None else prior_ratios(k + 1)
+        cost = self.draft_cost(batch, context)
+        use_draft, lengths = [], []
         for row, est in enumerate(estimates):
             n = int(look.num_draft[row])
-            from_lookup = float(torch.cumprod(look.accept_probs[row, :n], 0).sum())
-            from_draft = float(np.cumprod(est).sum()) - self.draft_cost * n_draft
-            use_draft.append(int(num_tokens[row]) > 0 and from_draft > from_lookup)
+            from_lookup, _ = _best_rate(look.accept_probs[row, :n].tolist(), curve, 0.0)
+            from_draft, length = _best_rate(est[: int(num_tokens[row])], curve, cost)
+            use_draft.append(length > 0 and from_draft > from_lookup)
+            lengths.append(length)
         rows = [r for r, u in enumerate(use_draft) if u]
         rest = [r for r, u in enumerate(use_draft) if not u]
         observe = getattr(self.draft, "observe", None)
@@ -112,13 +141,17 @@ class LookupFirst:
         self.chosen["lookup"] += sum(1 for r in rest if int(look.num_draft[r]) > 0)
         if not rows:
             return look
+        start = time.perf_counter()
         sub = self.draft.propose(
             [slots[r] for r in rows],
             [committed[r] for r in rows],
-            num_tokens[rows].clamp(max=n_draft),
+            torch.tensor([lengths[r] for r in rows], dtype=num_tokens.dtype),
             params.select(rows),
             [generators[r] for r in rows],
         )
+        drafted = int(sub.num_draft.max()) if len(rows) else 0
+        if drafted:
+            self._draft_seconds.append((time.perf_counter() - start) / drafted)
         tokens = look.tokens.clone()  # [B, k]; the draft's rows are at most n_draft <= k wide
         num = look.num_draft.clone()
         accept = look.accept_probs.clone()
@@ -156,3 +189,20 @@ class LookupFirst:
             alternatives=alts,
             alternative_probs=alt_probs,
         )
+
+
+def _best_rate(accept_probs: Sequence[float], curve: Sequence[float], per_token: float) -> tuple[float, int]:
+    """The most expected tokens per unit of cost over draft lengths L in 0..len(accept_probs), and
+    that L: drafting L tokens emits ``1 + sum_{i<L} prod_{j<=i} accept_probs[j]`` for
+    ``1 + EXTRA_COST_WEIGHT (curve[L] - 1) + per_token L`` (``curve[L]``: a step of L + 1 tokens over
+    a one-token step, as :func:`verispec.costs.best_draft_length` prices it; ``per_token``: what
+    drafting costs per token, in one-token steps). L = 0, a plain step, is 1 token for 1."""
+    best, best_length = 1.0, 0
+    tokens, reach = 1.0, 1.0
+    for length, p in enumerate(accept_probs[: len(curve) - 1], start=1):
+        reach *= p
+        tokens += reach
+        rate = tokens / (1.0 + EXTRA_COST_WEIGHT * (curve[length] - 1.0) + per_token * length)
+        if rate > best:
+            best, best_length = rate, length
+    return best, best_length

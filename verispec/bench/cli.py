@@ -297,9 +297,10 @@ def run(args: argparse.Namespace) -> int:
             )
         proposers[("prompt-lookup", d, False)] = proposers[("prompt-lookup", d, True)] = lookup
         if draft is not None:  # the default drafter: lookup first, the draft where lookup has nothing
+            from verispec.costs import costs_for
             from verispec.lookup_first import LookupFirst
 
-            mixed = LookupFirst(proposers[("draft-model", d, False)])
+            mixed = LookupFirst(proposers[("draft-model", d, False)], costs=costs_for(targets[d]))
             proposers[("lookup+draft", d, False)] = proposers[("lookup+draft", d, True)] = mixed
 
     def runner_for(cfg: MethodConfig):

@@ -41,9 +41,10 @@ def build_proposer(
         shipped = default_draft_for(target, max_batch_size=max_batch_size)
         if shipped is None:
             return PromptLookup()
+        from verispec.costs import costs_for
         from verispec.lookup_first import LookupFirst
 
-        return LookupFirst(shipped)
+        return LookupFirst(shipped, costs=costs_for(target))
     if draft_model == "default":
         shipped = shipped_draft_for(target, max_batch_size=max_batch_size)
         if shipped is None:
