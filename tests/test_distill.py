@@ -173,7 +173,10 @@ def _uncut(proposer):
     own estimates would stop drafting and the engine's cost cut would drop the rest."""
     import dataclasses
 
+    from verispec.costs import StepCosts
+
     proposer.stop_reach = 0.0
+    proposer.costs = StepCosts()  # never measured: no cost-based stop either
     propose = proposer.propose
     proposer.propose = lambda *a: dataclasses.replace(propose(*a), accept_probs=None)
     return proposer
@@ -234,6 +237,21 @@ def test_eagle_proposals_carry_the_heads_confidence_and_stop_early():
     short = proposer.propose([0], [prompt], torch.tensor([4]), _greedy_params(), [None])
     assert int(short.num_draft[0]) == 1 and short.tokens.shape[1] == 1
     assert int(short.tokens[0, 0]) == int(full.tokens[0, 0])
+
+    # With the target's step costs measured, the bar is what one more token costs to draft (the
+    # head's measured seconds per token over a target step) and to verify.
+    from verispec.costs import StepCosts
+
+    proposer.stop_reach = 0.0
+    for step, per_extra, want in ((100.0, 0.0, 4), (1e-9, 0.0, 1), (100.0, 2.0, 1)):
+        costs = proposer.costs = StepCosts()
+        for _ in range(3):
+            costs.record(1, 1, step, context=len(prompt))
+            for width in range(2, 7):
+                costs.record(1, width, step * (1 + per_extra * (width - 1)), context=len(prompt))
+        got = proposer.propose([0], [prompt], torch.tensor([4]), _greedy_params(), [None])
+        assert int(got.num_draft[0]) == want, (step, per_extra)
+    assert proposer.stop_reaches(3, 1, len(prompt)) == [pytest.approx(2.0, abs=1e-3)] * 3
 
 
 def test_eagle_sampled_estimates_do_not_depend_on_the_drawn_token():

@@ -34,7 +34,9 @@ on the draft's own features with the attention pattern it has at inference (HASS
 from __future__ import annotations
 
 import functools
+import statistics
 import time
+from collections import deque
 from collections.abc import Sequence
 from contextlib import nullcontext
 from pathlib import Path
@@ -43,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from verispec.config import ConfigError
+from verispec.costs import EXTRA_COST_WEIGHT, StepCosts, costs_for
 from verispec.distill.model import DraftKV, DraftLM
 from verispec.models.threads import torch_threads
 from verispec.proposers import Proposal, _empty, draw, expected_acceptance
@@ -51,7 +54,10 @@ from verispec.sampling import SamplingTensors
 STOP_REACH = 0.05
 """A row stops drafting once the product of the head's probabilities of its drafted tokens falls below
 this: the next token would add less than 0.05 expected tokens, about what a draft token costs on the
-kernel (0.04-0.07 target steps, benchmarks/DRAFTS.md)."""
+kernel (0.04-0.07 target steps, benchmarks/DRAFTS.md). With the target's measured step costs (the
+proposer's ``costs``) the bar is higher where drafting and verifying one more token cost more than
+that (:meth:`EagleProposer.stop_reaches`), except in seeded sampled requests, whose draft lengths may
+not depend on the clock."""
 
 ALTERNATIVES = 3
 """Greedy drafts carry the head's next 3 candidates at each position besides its own choice; the
@@ -74,7 +80,7 @@ class EagleProposer:
     a sampled token must be verified or not whatever it turned out to be, or the output would not
     follow the target's law."""
 
-    def __init__(self, target, draft: DraftKV, max_batch_size: int = 1):
+    def __init__(self, target, draft: DraftKV, max_batch_size: int = 1, costs: StepCosts | None = None):
         if not (hasattr(target, "record_hidden") and hasattr(target, "hidden_by_row")):
             raise ConfigError(
                 f"an EAGLE draft reads the target's hidden states, which {type(target).__name__} does not "
@@ -85,6 +91,10 @@ class EagleProposer:
         self.target = target
         self.draft = draft
         self.stop_reach = STOP_REACH
+        self.costs = costs if costs is not None else costs_for(target)
+        """The target's measured step costs (the engine's, :func:`~verispec.costs.costs_for`)."""
+        self._token_seconds: deque[float] = deque(maxlen=31)
+        """Seconds per drafted position of the recent drafting loops."""
         self.alternatives = ALTERNATIVES
         """Greedy: candidates besides its own offered at each draft position (0: a plain chain)."""
         target.record_hidden = True
@@ -141,8 +151,25 @@ class EagleProposer:
                     self._ensure(slot + 1)
                     self._agreed[slot] = 0
                 self._feed(slot, toks, len(toks) - 1)
+        context = max(len(toks) for toks in committed)
         with one_thread():
-            return self._draft_tokens(slots, num_tokens, params, generators, k)
+            return self._draft_tokens(slots, num_tokens, params, generators, k, context)
+
+    def stop_reaches(self, k: int, batch: int = 1, context: int = 0) -> list[float]:
+        """``[s_0, .., s_{k-1}]``: a row stops after its draft token i where the head's chance of
+        reaching the next one falls below ``s_i``. That token would add at most that many expected
+        tokens, for its drafting (the head's measured seconds per token over the target's one-token
+        step) and its verification (the measured cost of one more token in the target's call); at
+        least :attr:`stop_reach`, which alone holds until both are measured."""
+        step = self.costs.step_seconds(batch, context)
+        if not self._token_seconds or not step:
+            return [self.stop_reach] * k
+        per_token = statistics.median(self._token_seconds) / step
+        curve = self.costs.ratios(k + 2, batch, context)  # curve[L]: verifying L draft tokens
+        return [
+            max(self.stop_reach, per_token + EXTRA_COST_WEIGHT * (curve[i + 2] - curve[i + 1]))
+            for i in range(k)
+        ]
 
     def observe(self, slots: list[int], committed: list[list[int]]) -> None:
         """Keep the target's features of the rows' newly committed positions (a step in which another
@@ -155,7 +182,13 @@ class EagleProposer:
                 self._stash.setdefault(slot, []).append((start, hidden[:valid]))
 
     def _draft_tokens(
-        self, slots: list[int], num_tokens: torch.Tensor, params: SamplingTensors, generators, k: int
+        self,
+        slots: list[int],
+        num_tokens: torch.Tensor,
+        params: SamplingTensors,
+        generators,
+        k: int,
+        context: int = 0,
     ) -> Proposal:
         """Up to ``num_tokens`` (``[B]``, max ``k``) tokens per caught-up row, by feature autoregression."""
         batch = len(slots)
@@ -176,6 +209,9 @@ class EagleProposer:
         reach = torch.ones(batch)  # the chance, by the head's own estimate, that drafting got this far
         probs_out: list[torch.Tensor] = []
         steps = 0
+        seeded = not params.all_greedy and any(g is not None for g in generators)
+        stops = [self.stop_reach] * k if seeded else self.stop_reaches(k, batch, context)
+        start = time.perf_counter()
         vocab_ids = self.draft.model.vocab_ids
         for i in range(int(num_draft.max())):
             if params.all_greedy:
@@ -199,13 +235,15 @@ class EagleProposer:
             tokens[:, i] = tok.cpu()
             reach = reach * accept[:, i]
             # A row stops where its next token would be reached too rarely to pay for drafting it.
-            num_draft = torch.where(reach < self.stop_reach, num_draft.clamp(max=i + 1), num_draft)
+            num_draft = torch.where(reach < stops[i], num_draft.clamp(max=i + 1), num_draft)
             steps = i + 1
             if steps >= int(num_draft.max()):
                 break
             # Feature autoregression: the draft's feature stands in for the target's not yet computed one.
             self.draft.forward(tok[:, None], rows=slots, logits="none", features=feats[:, None])
             feats = self.draft.last_features[:, -1]  # [B, hidden]
+        if steps:
+            self._token_seconds.append((time.perf_counter() - start) / steps)
         tokens = tokens[:, :steps]
         num_draft = num_draft.clamp(max=steps)
         probs = torch.stack(probs_out, dim=1) if probs_out else None  # [B, steps, V]
