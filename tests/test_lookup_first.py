@@ -252,3 +252,23 @@ def test_the_drafts_cost_is_measured_against_the_targets_step() -> None:
     proposer.propose([0], [seq], torch.tensor([1]), _greedy(), [None])
     assert draft.asked == [[1]]
     assert LookupFirst(draft, draft_cost=0.3).draft_cost() == 0.3  # a fixed cost stays fixed
+
+
+def test_a_seeded_sampled_row_is_priced_without_the_clock() -> None:
+    """Measured costs under which the draft never pays leave a greedy row to lookup, but a seeded
+    sampled row is priced by the prior curve and the prior draft cost, whatever was measured, so
+    its seed reproduces the response."""
+    from verispec.config import SamplingConfig
+    from verispec.sampling import SamplingTensors
+
+    seq = list(range(10, 20))
+    for params, gens, want in (
+        (_greedy(), [None], []),
+        (SamplingTensors.from_configs([SamplingConfig(temperature=0.7)]), [torch.Generator()], [[2]]),
+    ):
+        draft = _Counting()
+        proposer = LookupFirst(draft, draft_tokens=2, costs=_costs(0.01, 0.8), prior=0.9)
+        proposer._draft_seconds.append(1.0)  # measured: a draft token costs 100 target steps
+        proposer.start(0, seq)
+        proposer.propose([0], [seq], torch.tensor([4]), params, gens)
+        assert draft.asked == want

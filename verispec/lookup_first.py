@@ -123,10 +123,19 @@ class LookupFirst:
         n_draft = min(k, self.draft_tokens)
         estimates = [self.acceptance(slot)[:n_draft] for slot in slots]
         context = max((len(toks) for toks in committed), default=0)
-        curve = self.costs.ratios(k + 1, batch, context) if self.costs is not None else prior_ratios(k + 1)
-        cost = self.draft_cost(batch, context)
+        measured = (
+            self.costs.ratios(k + 1, batch, context) if self.costs is not None else prior_ratios(k + 1),
+            self.draft_cost(batch, context),
+        )
+        # A seeded sampled row is priced without the clock: which drafter and how many tokens
+        # decide how its random numbers are consumed, and the seed must reproduce the response.
+        prior_cost = self.fixed_draft_cost if self.fixed_draft_cost is not None else DRAFT_COST_PRIOR
+        fixed = (prior_ratios(k + 1), prior_cost)
+        temperature = params.temperature.tolist()
         use_draft, lengths = [], []
         for row, est in enumerate(estimates):
+            seeded = generators[row] is not None and temperature[row] > 0
+            curve, cost = fixed if seeded else measured
             n = int(look.num_draft[row])
             from_lookup, _ = _best_rate(look.accept_probs[row, :n].tolist(), curve, 0.0)
             from_draft, length = _best_rate(est[: int(num_tokens[row])], curve, cost)
