@@ -255,16 +255,19 @@ def test_the_drafts_cost_is_measured_against_the_targets_step() -> None:
 
 
 def test_a_seeded_sampled_row_is_priced_without_the_clock() -> None:
-    """Measured costs under which the draft never pays leave a greedy row to lookup, but a seeded
-    sampled row is priced by the prior curve and the prior draft cost, whatever was measured, so
-    its seed reproduces the response."""
+    """Measured costs under which the draft never pays leave a greedy row and an unseeded sampled
+    row to lookup, but a seeded sampled row (the engine gives it a ``SeededGenerator``) is priced by
+    the prior curve and the prior draft cost, whatever was measured, so its seed reproduces the
+    response."""
     from verispec.config import SamplingConfig
-    from verispec.sampling import SamplingTensors
+    from verispec.sampling import SamplingTensors, SeededGenerator
 
     seq = list(range(10, 20))
+    sampled = SamplingTensors.from_configs([SamplingConfig(temperature=0.7)])
     for params, gens, want in (
         (_greedy(), [None], []),
-        (SamplingTensors.from_configs([SamplingConfig(temperature=0.7)]), [torch.Generator()], [[2]]),
+        (sampled, [torch.Generator()], []),
+        (sampled, [SeededGenerator()], [[2]]),
     ):
         draft = _Counting()
         proposer = LookupFirst(draft, draft_tokens=2, costs=_costs(0.01, 0.8), prior=0.9)
@@ -272,3 +275,22 @@ def test_a_seeded_sampled_row_is_priced_without_the_clock() -> None:
         proposer.start(0, seq)
         proposer.propose([0], [seq], torch.tensor([4]), params, gens)
         assert draft.asked == want
+
+
+@pytest.mark.parametrize("seed", [None, 3])
+def test_the_engine_marks_a_seeded_requests_generator(seed) -> None:
+    from verispec.api import speculative_generate
+    from verispec.sampling import is_seeded
+
+    _, target = _fast_target()
+    seen: list[bool] = []
+
+    class Spy(PromptLookup):
+        def propose(self, slots, committed, num_tokens, params, generators):
+            seen.extend(is_seeded(g) for g in generators)
+            return super().propose(slots, committed, num_tokens, params, generators)
+
+    speculative_generate(
+        target, Spy(), [3, 14, 15, 9], max_new_tokens=4, temperature=0.7, seed=seed, num_speculative_tokens=2
+    )
+    assert seen and all(s == (seed is not None) for s in seen)

@@ -26,7 +26,7 @@ from verispec.detokenize import IncrementalDecoder
 from verispec.models.base import KVModel, LogitsMode
 from verispec.proposers import Proposal, Proposer
 from verispec.rejection import argmax_last, greedy_accept, greedy_verify_tree, rejection_sample
-from verispec.sampling import SamplingTensors, logits_to_probs
+from verispec.sampling import SamplingTensors, SeededGenerator, logits_to_probs
 from verispec.stats import GenerationStats
 
 
@@ -153,7 +153,7 @@ class Engine:
                 f"the prompt has {len(prompt)} tokens, more than the model's context of "
                 f"{self.target.max_length} allows (at least one new token must fit)"
             )
-        gen = torch.Generator()
+        gen = SeededGenerator() if config.seed is not None else torch.Generator()
         gen.manual_seed(config.seed if config.seed is not None else int(torch.randint(0, 2**62, (1,))))
         k = config.num_speculative_tokens if self.proposer is not None else 0
         seq = SequenceState(tokens=prompt, prompt_len=len(prompt), config=config, generator=gen, k=k)

@@ -29,7 +29,7 @@ import torch
 
 from verispec.costs import EXTRA_COST_WEIGHT, StepCosts, prior_ratios
 from verispec.proposers import AcceptanceCounts, PromptLookup, Proposal, Proposer, _empty
-from verispec.sampling import SamplingTensors
+from verispec.sampling import SamplingTensors, is_seeded
 
 DRAFT_COST_PRIOR = 0.1
 """The draft's cost per token in target steps before it is measured (:class:`LookupFirst`)."""
@@ -134,7 +134,7 @@ class LookupFirst:
         temperature = params.temperature.tolist()
         use_draft, lengths = [], []
         for row, est in enumerate(estimates):
-            seeded = generators[row] is not None and temperature[row] > 0
+            seeded = is_seeded(generators[row]) and temperature[row] > 0
             curve, cost = fixed if seeded else measured
             n = int(look.num_draft[row])
             from_lookup, _ = _best_rate(look.accept_probs[row, :n].tolist(), curve, 0.0)

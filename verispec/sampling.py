@@ -14,6 +14,17 @@ import torch
 from verispec.config import SamplingConfig
 
 
+class SeededGenerator(torch.Generator):
+    """The generator of a request that gave a seed (the engine makes one per request, seeded or
+    not). A drafter whose choices would otherwise follow measured times prices such a sampled row
+    by fixed figures instead, so that the seed reproduces the response (:func:`is_seeded`)."""
+
+
+def is_seeded(generator: torch.Generator | None) -> bool:
+    """Whether ``generator`` is a seeded request's (a :class:`SeededGenerator`)."""
+    return isinstance(generator, SeededGenerator)
+
+
 @dataclass(frozen=True)
 class SamplingTensors:
     """Per-row sampling settings as tensors (built once per batch composition)."""

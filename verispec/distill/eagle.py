@@ -49,7 +49,7 @@ from verispec.costs import EXTRA_COST_WEIGHT, StepCosts, costs_for
 from verispec.distill.model import DraftKV, DraftLM
 from verispec.models.threads import torch_threads
 from verispec.proposers import Proposal, _empty, draw, expected_acceptance
-from verispec.sampling import SamplingTensors
+from verispec.sampling import SamplingTensors, is_seeded
 
 STOP_REACH = 0.05
 """A row stops drafting once the product of the head's probabilities of its drafted tokens falls below
@@ -209,7 +209,7 @@ class EagleProposer:
         reach = torch.ones(batch)  # the chance, by the head's own estimate, that drafting got this far
         probs_out: list[torch.Tensor] = []
         steps = 0
-        seeded = not params.all_greedy and any(g is not None for g in generators)
+        seeded = not params.all_greedy and any(is_seeded(g) for g in generators)
         stops = [self.stop_reach] * k if seeded else self.stop_reaches(k, batch, context)
         start = time.perf_counter()
         vocab_ids = self.draft.model.vocab_ids
