@@ -264,6 +264,23 @@ def blocks_crossing(times: dict[str, dict[int, list[float]]]) -> int:
     return widest
 
 
+def _env_tokens(name: str) -> int | None:
+    """The number of tokens the environment variable ``name`` sets, or None for ``auto`` (or
+    unset); anything else is a :class:`~verispec.config.ConfigError`."""
+    from verispec.config import ConfigError
+
+    wanted = os.environ.get(name, "auto") or "auto"
+    if wanted == "auto":
+        return None
+    try:
+        value = int(wanted)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ConfigError(f"{name} must be auto or a number of tokens; got {wanted!r}")
+    return value
+
+
 def apply_blocks(model: Any) -> int:
     """Set how many tokens a call of ``model`` (a kernel ``FastLlama``, its cache empty) may have and
     still read its exact blocks (``q4_rows`` and ``head_q8_rows``), and return it:
@@ -274,19 +291,10 @@ def apply_blocks(model: Any) -> int:
     are faster; where depends on the CPU's arithmetic (2-core EPYC, whole-head logits at 200 cached
     tokens, min of 15, ms, float32 / blocks: Zen 4 with 256-bit tiles, 5 tokens 17.4 / 13.8-14.6, 9
     17.6 / 19.6-19.9; Zen 5 with 512-bit tiles, 8 tokens 14.0 / 12.5, 10 14.1 / 17.9)."""
-    from verispec.config import ConfigError
-
-    wanted = os.environ.get(BLOCKS_ENV, "auto") or "auto"
-    if wanted != "auto":
-        try:
-            value = int(wanted)
-        except ValueError:
-            value = -1
-        if value < 0:
-            raise ConfigError(f"{BLOCKS_ENV} must be auto or a number of tokens; got {wanted!r}")
-    elif not model.has_blocks or model.weight_bytes() < MIN_TUNED_BYTES:
+    value = _env_tokens(BLOCKS_ENV)
+    if value is None and (not model.has_blocks or model.weight_bytes() < MIN_TUNED_BYTES):
         value = type(model).q4_rows
-    else:
+    elif value is None:
         value = _cached(
             BLOCKS_KEY + _key(model),
             lambda v: isinstance(v, int) and v >= 1,
@@ -363,19 +371,10 @@ def apply_prefill(model: Any) -> int:
     empty) and return it: ``VERISPEC_KERNEL_PREFILL_MAX`` if set to a number, the class's default
     for small models, else the cached crossing for this CPU, format and size, else
     :func:`measure_crossing`, cached."""
-    from verispec.config import ConfigError
-
-    wanted = os.environ.get(PREFILL_ENV, "auto") or "auto"
-    if wanted != "auto":
-        try:
-            value = int(wanted)
-        except ValueError:
-            value = -1
-        if value < 0:
-            raise ConfigError(f"{PREFILL_ENV} must be auto or a number of tokens; got {wanted!r}")
-    elif model.weight_bytes() < MIN_TUNED_BYTES:
+    value = _env_tokens(PREFILL_ENV)
+    if value is None and model.weight_bytes() < MIN_TUNED_BYTES:
         value = model.kernel_prefill_max.get(model.dtype, 0)
-    else:
+    elif value is None:
         value = _cached(
             PREFILL_KEY + _key(model),
             lambda v: isinstance(v, int) and v >= 0,
