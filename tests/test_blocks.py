@@ -215,3 +215,39 @@ def test_timing_the_blocks_leaves_the_model_as_it_was() -> None:
     ids = torch.randint(0, 300, (1, 8), generator=torch.Generator().manual_seed(5))
     fresh = FastLlama.from_hf(_q4_llama(), dtype="float32")
     assert torch.equal(model.forward(ids, rows=[0]), fresh.forward(ids))
+
+
+@pytest.mark.slow
+@requires_kernel
+def test_a_build_without_avx512_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an AVX-512 CPU the tests above run the 512-bit tiles (the blocks', int8's). A CPU without
+    AVX-512 runs the 256-bit ones, which must give the same logits: a second build of the kernel
+    without the AVX-512 flags (about a minute, once per machine), the same model and calls."""
+    from verispec.models import fast_llama
+
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("this CPU already runs the 256-bit tiles in the tests above")
+    wide = fast_llama._load_kernel()
+    narrow, _ = fast_llama.compile_kernel(fast_llama.KERNEL_BASE_FLAGS)
+    hf = _q4_llama()
+    monkeypatch.setattr(FastLlama, "q4_rows", 16)
+    monkeypatch.setattr(FastLlama, "head_q8_rows", 16)
+    ids = torch.randint(0, 300, (1, 60), generator=torch.Generator().manual_seed(6))
+    for dtype in ("float32", "int8"):
+        models = []
+        for module in (wide, narrow):
+            monkeypatch.setattr(fast_llama, "_kernel_module", module)
+            models.append(FastLlama.from_hf(hf, dtype=dtype))
+        monkeypatch.setattr(fast_llama, "_kernel_module", wide)
+        assert models[0]._kernel is not None and models[1]._kernel is not None
+        assert type(models[0]._kernel) is not type(models[1]._kernel)  # two builds
+        outs = [[m.forward(ids[:, :20])] for m in models]  # a prompt
+        pos = 20
+        for t in (1, 2, 5, 9, 13):  # decoding and verification widths
+            for m, out in zip(models, outs, strict=True):
+                out.append(m.forward(ids[:, pos : pos + t]))
+                m.truncate([pos])
+                out.append(m.forward(ids[:, pos : pos + t], logits="argmax"))
+            pos += t
+        for a, b in zip(*outs, strict=True):
+            assert torch.equal(a, b), dtype

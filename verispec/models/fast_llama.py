@@ -111,34 +111,13 @@ def _load_kernel() -> Any:
         capability = torch.backends.cpu.get_cpu_capability()
         if capability not in ("AVX2", "AVX512"):
             raise RuntimeError(f"CPU capability is {capability}, the kernel needs AVX2 and FMA")
-        from torch.utils.cpp_extension import load
-
-        flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+        flags = list(KERNEL_BASE_FLAGS)
         if capability == "AVX512" and getattr(torch.cpu, "_is_vnni_supported", lambda: False)():
             # int8 products in one instruction, not two (and with AVX-512BW, for two weight rows)
             flags += ["-mavx512vnni", "-mavx512vl", "-mavx512bw"]
         if capability == "AVX512":
-            flags += ["-mavx512f"]  # float32 products of 6-12 rows in 512-bit tiles
-        # The name carries the source hash so processes running different versions never share
-        # (or fight over) one build directory, and the source's path, since ninja rebuilds when
-        # the same source comes from another checkout.
-        key = _SRC.read_bytes() + " ".join(flags).encode() + str(_SRC).encode()
-        digest = hashlib.sha256(key).hexdigest()[:12]
-        name = f"verispec_fast_llama_{digest}"
-        from verispec.models.loading import cache_dir
-
-        build = cache_dir() / name
-        build.mkdir(parents=True, exist_ok=True)
-        if not any(build.glob(f"{name}*.so")):
-            logger.warning("compiling the fast kernel once (about a minute; cached in %s)", build)
-        _kernel_module = load(
-            name=name,
-            sources=[str(_SRC)],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build),
-            verbose=False,
-        )
+            flags += ["-mavx512f"]  # float32 products in 512-bit tiles
+        _kernel_module, build = compile_kernel(flags)
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path"
         _kernel_error = f"{type(exc).__name__}: {exc}"
         logger.warning("verispec fast kernel unavailable, using torch matmuls: %s", _kernel_error)
@@ -148,6 +127,40 @@ def _load_kernel() -> Any:
     except OSError as exc:  # a read-only or shared cache: keep every build
         logger.debug("verispec: old kernel builds not pruned: %s", exc)
     return _kernel_module
+
+
+KERNEL_BASE_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
+"""What every build of the kernel needs; :func:`_load_kernel` adds the AVX-512 flags the CPU has."""
+
+
+def compile_kernel(flags: Sequence[str]) -> tuple[Any, Path]:
+    """Compile the kernel with compiler ``flags`` (once per source version, flags and checkout,
+    cached under the verispec cache) and import it: the module and its build directory.
+
+    :func:`_load_kernel` builds with the flags this CPU allows; a test builds without AVX-512 too,
+    to check that those tiles give the same bits."""
+    from torch.utils.cpp_extension import load
+
+    from verispec.models.loading import cache_dir
+
+    # The name carries the source hash so processes running different versions never share (or
+    # fight over) one build directory, and the source's path, since ninja rebuilds when the same
+    # source comes from another checkout.
+    key = _SRC.read_bytes() + " ".join(flags).encode() + str(_SRC).encode()
+    name = f"verispec_fast_llama_{hashlib.sha256(key).hexdigest()[:12]}"
+    build = cache_dir() / name
+    build.mkdir(parents=True, exist_ok=True)
+    if not any(build.glob(f"{name}*.so")):
+        logger.warning("compiling the fast kernel once (about a minute; cached in %s)", build)
+    module = load(
+        name=name,
+        sources=[str(_SRC)],
+        extra_cflags=list(flags),
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build),
+        verbose=False,
+    )
+    return module, build
 
 
 KERNEL_BUILD_MAX_AGE_DAYS = 30.0
