@@ -221,7 +221,6 @@ def apply(model: Any) -> str:
 
 
 @torch.no_grad()
-@torch.no_grad()
 def measure_blocks(
     model: Any, widths: tuple[int, ...] = BLOCK_WIDTHS, rounds: int = 4, context: int = 64
 ) -> dict[str, dict[int, list[float]]]:
@@ -307,6 +306,7 @@ def apply_blocks(model: Any) -> int:
     return value
 
 
+@torch.no_grad()
 def measure_prefill(
     model: Any, sizes: tuple[int, ...] = PREFILL_SIZES, rounds: int = 3
 ) -> dict[str, dict[int, list[float]]]:
