@@ -11,8 +11,9 @@ from test_exactness import DRAFT, SIGMAS, TARGET, Bigram, exact_law, max_z
 import verispec
 from verispec.api import as_kvmodel
 from verispec.costs import StepCosts
+from verispec.costs import best_rate as _best_rate
 from verispec.distill.eagle import EagleProposer
-from verispec.lookup_first import DRAFT_COST_PRIOR, LookupFirst, _best_rate
+from verispec.lookup_first import DRAFT_COST_PRIOR, LookupFirst
 from verispec.proposers import DraftModelProposer, PromptLookup
 
 N = 20_000

@@ -226,17 +226,31 @@ def best_draft_length(
     (``test_sampled_draft_lengths_never_look_at_later_tokens``). Point-mass and greedy drafts are
     functions of the context, and may look ahead.
     """
+    return best_rate(accept_probs, costs, extra_cost_weight=extra_cost_weight, lookahead=lookahead)[1]
+
+
+def best_rate(
+    accept_probs: Sequence[float],
+    costs: Sequence[float],
+    per_token: float = 0.0,
+    extra_cost_weight: float = EXTRA_COST_WEIGHT,
+    lookahead: bool = True,
+) -> tuple[float, int]:
+    """:func:`best_draft_length`'s rate and length: ``(tokens per unit of cost, L)``, with drafting
+    itself charged ``per_token`` one-token steps per draft token (0 where the drafts are already
+    made: the engine's cut; a draft model's measured cost where the choice is whether to draft:
+    :class:`~verispec.lookup_first.LookupFirst`)."""
     best, best_rate = 0, 1.0 / costs[0]
     tokens, reach = 1.0, 1.0
     for length, p in enumerate(accept_probs[: len(costs) - 1], start=1):
         reach *= p
         tokens += reach
-        rate = tokens / (1.0 + extra_cost_weight * (costs[length] - 1.0))
+        rate = tokens / (1.0 + extra_cost_weight * (costs[length] - 1.0) + per_token * length)
         if rate > best_rate:
             best, best_rate = length, rate
         elif not lookahead:
             break
-    return best
+    return best_rate, best
 
 
 def best_tree(

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from verispec.costs import EXTRA_COST_WEIGHT, StepCosts, prior_ratios
+from verispec.costs import StepCosts, best_rate, prior_ratios
 from verispec.proposers import AcceptanceCounts, PromptLookup, Proposal, Proposer, _empty
 from verispec.sampling import SamplingTensors, is_seeded
 
@@ -137,8 +137,8 @@ class LookupFirst:
             seeded = is_seeded(generators[row]) and temperature[row] > 0
             curve, cost = fixed if seeded else measured
             n = int(look.num_draft[row])
-            from_lookup, _ = _best_rate(look.accept_probs[row, :n].tolist(), curve, 0.0)
-            from_draft, length = _best_rate(est[: int(num_tokens[row])], curve, cost)
+            from_lookup, _ = best_rate(look.accept_probs[row, :n].tolist(), curve)
+            from_draft, length = best_rate(est[: int(num_tokens[row])], curve, cost)
             use_draft.append(length > 0 and from_draft > from_lookup)
             lengths.append(length)
         rows = [r for r, u in enumerate(use_draft) if u]
@@ -198,20 +198,3 @@ class LookupFirst:
             alternatives=alts,
             alternative_probs=alt_probs,
         )
-
-
-def _best_rate(accept_probs: Sequence[float], curve: Sequence[float], per_token: float) -> tuple[float, int]:
-    """The most expected tokens per unit of cost over draft lengths L in 0..len(accept_probs), and
-    that L: drafting L tokens emits ``1 + sum_{i<L} prod_{j<=i} accept_probs[j]`` for
-    ``1 + EXTRA_COST_WEIGHT (curve[L] - 1) + per_token L`` (``curve[L]``: a step of L + 1 tokens over
-    a one-token step, as :func:`verispec.costs.best_draft_length` prices it; ``per_token``: what
-    drafting costs per token, in one-token steps). L = 0, a plain step, is 1 token for 1."""
-    best, best_length = 1.0, 0
-    tokens, reach = 1.0, 1.0
-    for length, p in enumerate(accept_probs[: len(curve) - 1], start=1):
-        reach *= p
-        tokens += reach
-        rate = tokens / (1.0 + EXTRA_COST_WEIGHT * (curve[length] - 1.0) + per_token * length)
-        if rate > best:
-            best, best_length = rate, length
-    return best, best_length
