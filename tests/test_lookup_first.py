@@ -272,7 +272,7 @@ def test_a_seeded_sampled_row_is_priced_without_the_clock() -> None:
     ):
         draft = _Counting()
         proposer = LookupFirst(draft, draft_tokens=2, costs=_costs(0.01, 0.8), prior=0.9)
-        proposer._draft_seconds.append(1.0)  # measured: a draft token costs 100 target steps
+        proposer._draft_times.record(1.0, 1)  # measured: a draft token costs 100 target steps
         proposer.start(0, seq)
         proposer.propose([0], [seq], torch.tensor([4]), params, gens)
         assert draft.asked == want

@@ -174,6 +174,30 @@ class StepCosts:
         return [self.ratio(w, batch, context) for w in range(1, widths + 1)]
 
 
+class DraftTimes:
+    """A drafter's recent seconds per drafted token, read as a fraction of the target's one-token
+    step (:meth:`StepCosts.step_seconds`): what :class:`~verispec.lookup_first.LookupFirst` and
+    the EAGLE head's stopping rule charge per draft token."""
+
+    window: int = 31
+    """Draft calls kept."""
+
+    def __init__(self) -> None:
+        self._seconds: deque[float] = deque(maxlen=self.window)
+
+    def record(self, seconds: float, tokens: int) -> None:
+        """A draft call that took ``seconds`` for ``tokens`` positions (none: not recorded)."""
+        if tokens > 0:
+            self._seconds.append(seconds / tokens)
+
+    def in_steps(self, costs: StepCosts | None, batch: int = 1, context: int = 0) -> float | None:
+        """The median seconds per token over ``costs``' one-token step; None until both exist."""
+        step = costs.step_seconds(batch, context) if costs is not None else None
+        if not self._seconds or not step:
+            return None
+        return statistics.median(self._seconds) / step
+
+
 def prior_ratios(widths: int) -> list[float]:
     """The cost curve before any measurement: ``[v(1), ..., v(widths)]``."""
     return [1.0 + PRIOR_EXTRA_TOKEN_COST * (w - 1) for w in range(1, widths + 1)]

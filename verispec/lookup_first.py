@@ -20,14 +20,12 @@ state is the same whichever drafter a row used last.
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections import deque
 from collections.abc import Sequence
 
 import torch
 
-from verispec.costs import StepCosts, best_rate, prior_ratios
+from verispec.costs import DraftTimes, StepCosts, best_rate, prior_ratios
 from verispec.proposers import AcceptanceCounts, PromptLookup, Proposal, Proposer, _empty
 from verispec.sampling import SamplingTensors, is_seeded
 
@@ -79,8 +77,8 @@ class LookupFirst:
         self.draft_tokens = draft_tokens
         self.fixed_draft_cost = None if draft_cost is None else float(draft_cost)
         self.costs = costs
-        self._draft_seconds: deque[float] = deque(maxlen=31)
-        """Seconds per drafted token of the recent draft calls (batch, tokens drafted)."""
+        self._draft_times = DraftTimes()
+        """The draft's recent calls, seconds per drafted token."""
         self._stats = AcceptanceCounts([prior] * draft_tokens, prior_weight)
         """The draft's acceptance by position in its proposal, learned per slot."""
         self.chosen = {"lookup": 0, "draft": 0}
@@ -95,10 +93,18 @@ class LookupFirst:
         """The draft's cost per token in target steps (see the class's ``draft_cost``)."""
         if self.fixed_draft_cost is not None:
             return self.fixed_draft_cost
-        step = self.costs.step_seconds(batch, context) if self.costs is not None else None
-        if not self._draft_seconds or not step:
-            return DRAFT_COST_PRIOR
-        return statistics.median(self._draft_seconds) / step
+        measured = self._draft_times.in_steps(self.costs, batch, context)
+        return DRAFT_COST_PRIOR if measured is None else measured
+
+    def _prices(self, k: int, batch: int, context: int, seeded: bool) -> tuple[list[float], float]:
+        """The verification curve for up to k drafts and the draft's cost per token: measured, or
+        for a seeded sampled row the prior curve and a fixed cost (:data:`DRAFT_COST_PRIOR`
+        unless the class was given one)."""
+        if seeded:
+            fixed = self.fixed_draft_cost
+            return prior_ratios(k + 1), DRAFT_COST_PRIOR if fixed is None else fixed
+        curve = self.costs.ratios(k + 1, batch, context) if self.costs is not None else prior_ratios(k + 1)
+        return curve, self.draft_cost(batch, context)
 
     def acceptance(self, slot: int) -> list[float]:
         """The draft's estimated conditional acceptance at each position for this slot."""
@@ -123,19 +129,16 @@ class LookupFirst:
         n_draft = min(k, self.draft_tokens)
         estimates = [self.acceptance(slot)[:n_draft] for slot in slots]
         context = max((len(toks) for toks in committed), default=0)
-        measured = (
-            self.costs.ratios(k + 1, batch, context) if self.costs is not None else prior_ratios(k + 1),
-            self.draft_cost(batch, context),
-        )
-        # A seeded sampled row is priced without the clock: which drafter and how many tokens
-        # decide how its random numbers are consumed, and the seed must reproduce the response.
-        prior_cost = self.fixed_draft_cost if self.fixed_draft_cost is not None else DRAFT_COST_PRIOR
-        fixed = (prior_ratios(k + 1), prior_cost)
         temperature = params.temperature.tolist()
+        prices: dict[bool, tuple[list[float], float]] = {}  # built once per step, only those needed
         use_draft, lengths = [], []
         for row, est in enumerate(estimates):
+            # A seeded sampled row is priced without the clock: which drafter and how many tokens
+            # decide how its random numbers are consumed, and the seed must reproduce the response.
             seeded = is_seeded(generators[row]) and temperature[row] > 0
-            curve, cost = fixed if seeded else measured
+            if seeded not in prices:
+                prices[seeded] = self._prices(k, batch, context, seeded)
+            curve, cost = prices[seeded]
             n = int(look.num_draft[row])
             from_lookup, _ = best_rate(look.accept_probs[row, :n].tolist(), curve)
             from_draft, length = best_rate(est[: int(num_tokens[row])], curve, cost)
@@ -158,9 +161,7 @@ class LookupFirst:
             params.select(rows),
             [generators[r] for r in rows],
         )
-        drafted = int(sub.num_draft.max()) if len(rows) else 0
-        if drafted:
-            self._draft_seconds.append((time.perf_counter() - start) / drafted)
+        self._draft_times.record(time.perf_counter() - start, int(sub.num_draft.max()))
         tokens = look.tokens.clone()  # [B, k]; the draft's rows are at most n_draft <= k wide
         num = look.num_draft.clone()
         accept = look.accept_probs.clone()

@@ -34,9 +34,7 @@ on the draft's own features with the attention pattern it has at inference (HASS
 from __future__ import annotations
 
 import functools
-import statistics
 import time
-from collections import deque
 from collections.abc import Sequence
 from contextlib import nullcontext
 from pathlib import Path
@@ -45,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from verispec.config import ConfigError
-from verispec.costs import EXTRA_COST_WEIGHT, StepCosts, costs_for
+from verispec.costs import EXTRA_COST_WEIGHT, DraftTimes, StepCosts, costs_for
 from verispec.distill.model import DraftKV, DraftLM
 from verispec.models.threads import torch_threads
 from verispec.proposers import Proposal, _empty, draw, expected_acceptance
@@ -93,8 +91,8 @@ class EagleProposer:
         self.stop_reach = STOP_REACH
         self.costs = costs if costs is not None else costs_for(target)
         """The target's measured step costs (the engine's, :func:`~verispec.costs.costs_for`)."""
-        self._token_seconds: deque[float] = deque(maxlen=31)
-        """Seconds per drafted position of the recent drafting loops."""
+        self._token_times = DraftTimes()
+        """The recent drafting loops, seconds per drafted position."""
         self.alternatives = ALTERNATIVES
         """Greedy: candidates besides its own offered at each draft position (0: a plain chain)."""
         target.record_hidden = True
@@ -161,10 +159,9 @@ class EagleProposer:
         tokens, for its drafting (the head's measured seconds per token over the target's one-token
         step) and its verification (the measured cost of one more token in the target's call); at
         least :attr:`stop_reach`, which alone holds until both are measured."""
-        step = self.costs.step_seconds(batch, context)
-        if not self._token_seconds or not step:
+        per_token = self._token_times.in_steps(self.costs, batch, context)
+        if per_token is None:
             return [self.stop_reach] * k
-        per_token = statistics.median(self._token_seconds) / step
         curve = self.costs.ratios(k + 2, batch, context)  # curve[L]: verifying L draft tokens
         return [
             max(self.stop_reach, per_token + EXTRA_COST_WEIGHT * (curve[i + 2] - curve[i + 1]))
@@ -242,8 +239,7 @@ class EagleProposer:
             # Feature autoregression: the draft's feature stands in for the target's not yet computed one.
             self.draft.forward(tok[:, None], rows=slots, logits="none", features=feats[:, None])
             feats = self.draft.last_features[:, -1]  # [B, hidden]
-        if steps:
-            self._token_seconds.append((time.perf_counter() - start) / steps)
+        self._token_times.record(time.perf_counter() - start, steps)
         tokens = tokens[:, :steps]
         num_draft = num_draft.clamp(max=steps)
         probs = torch.stack(probs_out, dim=1) if probs_out else None  # [B, steps, V]
