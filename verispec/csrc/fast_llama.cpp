@@ -191,6 +191,16 @@ inline void tile(const float* x, int64_t ldx, const WT* w, int64_t K, int64_t rs
   }
 }
 
+// f(std::integral_constant<int, R>{}) for R = min(mr, MAX), mr >= 1: a pass's row count as a
+// compile-time constant, for tiles templated on it.
+template <int MAX, int R = 1, typename F>
+inline void with_rows(int64_t mr, const F& f) {
+  if constexpr (R < MAX) {
+    if (mr > R) return with_rows<MAX, R + 1>(mr, f);
+  }
+  f(std::integral_constant<int, R>{});
+}
+
 // 16 int8 weights sign-extended to int16.
 inline __m256i load16(const i8* p) {
   return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -457,18 +467,6 @@ inline void tile_rows_q_wide(const int16_t* x, int64_t ldx, const float* xs, con
                bias ? bias + j : nullptr, y + m * ldy + j, ldy, acc, pf, true, 1);
 }
 
-inline void tile_any_q_wide(int64_t mr, const int16_t* x, int64_t ldx, const float* xs, const i8* w,
-                            int64_t K, int64_t nr, const float* scale, const float* bias, float* y,
-                            int64_t ldy, bool acc, int64_t pf) {
-#define VERISPEC_WIDE_Q(R) \
-  case R: return tile_rows_q_wide<R>(x, ldx, xs, w, K, nr, scale, bias, y, ldy, acc, pf)
-  switch (mr) {
-    VERISPEC_WIDE_Q(1); VERISPEC_WIDE_Q(2); VERISPEC_WIDE_Q(3); VERISPEC_WIDE_Q(4);
-    VERISPEC_WIDE_Q(5); VERISPEC_WIDE_Q(6); VERISPEC_WIDE_Q(7); VERISPEC_WIDE_Q(8);
-    default: return tile_rows_q_wide<kWideInt8MostRows>(x, ldx, xs, w, K, nr, scale, bias, y, ldy, acc, pf);
-  }
-#undef VERISPEC_WIDE_Q
-}
 #endif
 
 // Each row of x [M, K] (stride ldx) as int16 q [M, K] and scale xs [M]: x ~= q * xs, with
@@ -803,8 +801,11 @@ void linear(const float* x, int64_t M, int64_t ldx, const WT* w, int64_t N, int6
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     if (paired && M >= kWideInt8Rows) {
       for_each_pass(M, N, [&](int64_t m, int64_t mr, int64_t n0, int64_t nr, bool first) {
-        tile_any_q_wide(mr, q + m * K, K, qs + m, w + n0 * K, K, nr, scale + n0,
-                        bias ? bias + n0 : nullptr, y + m * ldy + n0, ldy, accumulate, first ? pf : 0);
+        with_rows<kWideInt8MostRows>(mr, [&](auto R) {
+          tile_rows_q_wide<decltype(R)::value>(q + m * K, K, qs + m, w + n0 * K, K, nr, scale + n0,
+                                               bias ? bias + n0 : nullptr, y + m * ldy + n0, ldy, accumulate,
+                                               first ? pf : 0);
+        });
       }, kWideInt8MostRows);
       return;
     }
@@ -1049,18 +1050,6 @@ constexpr int64_t kBlockMostRows = 12;
 constexpr int64_t kBlockMostRows = 6;
 #endif
 
-template <typename B>
-inline void tile_any_blocks(int64_t mr, const float* x, int64_t ldx, const B& blocks, const float* bias,
-                            float* y, int64_t ldy, bool accumulate) {
-#define VERISPEC_BLOCKS(R) \
-  case R: return tile_blocks<R, 2>(x, ldx, blocks, bias, y, ldy, accumulate)
-  switch (mr) {
-    VERISPEC_BLOCKS(1); VERISPEC_BLOCKS(2); VERISPEC_BLOCKS(3); VERISPEC_BLOCKS(4); VERISPEC_BLOCKS(5);
-    default: return tile_blocks<6, 2>(x, ldx, blocks, bias, y, ldy, accumulate);
-  }
-#undef VERISPEC_BLOCKS
-}
-
 // `linear` for float32 weights held as blocks (above): y[M, N] (+)= x[M, K] @ w^T + bias, bitwise
 // what `linear` gives for the float32 matrix (N even). `for_each_pass` splits the weight rows and
 // the input rows as for `linear`; each block of 8 weight rows goes through its tiles a pair at a time.
@@ -1068,25 +1057,17 @@ template <typename B>
 void linear_blocks(const float* x, int64_t M, int64_t ldx, const B& blocks, int64_t N, const float* bias,
                    float* y, int64_t ldy, bool accumulate) {
   for_each_pass(M, N, [&](int64_t m, int64_t mr, int64_t n0, int64_t nr, bool) {
+    with_rows<kBlockMostRows>(mr, [&](auto R) {
+      constexpr int MR = decltype(R)::value;
 #if defined(__AVX512F__)
-    const float* xm = x + m * ldx;
-    float* ym = y + m * ldy + n0;
-    const B rows = blocks.rows(n0);
-    const float* bn = bias ? bias + n0 : nullptr;
-#define VERISPEC_BLOCKS_Z(R) \
-  case R: return blocks_z_rows<R>(xm, ldx, rows, nr, bn, ym, ldy, accumulate)
-    switch (mr) {
-      VERISPEC_BLOCKS_Z(1); VERISPEC_BLOCKS_Z(2); VERISPEC_BLOCKS_Z(3); VERISPEC_BLOCKS_Z(4);
-      VERISPEC_BLOCKS_Z(5); VERISPEC_BLOCKS_Z(6); VERISPEC_BLOCKS_Z(7); VERISPEC_BLOCKS_Z(8);
-      VERISPEC_BLOCKS_Z(9); VERISPEC_BLOCKS_Z(10); VERISPEC_BLOCKS_Z(11);
-      default: return blocks_z_rows<12>(xm, ldx, rows, nr, bn, ym, ldy, accumulate);
-    }
-#undef VERISPEC_BLOCKS_Z
+      blocks_z_rows<MR>(x + m * ldx, ldx, blocks.rows(n0), nr, bias ? bias + n0 : nullptr, y + m * ldy + n0,
+                        ldy, accumulate);
 #else
-    for (int64_t j = n0; j < n0 + nr; j += 2)
-      tile_any_blocks(mr, x + m * ldx, ldx, blocks.rows(j), bias ? bias + j : nullptr, y + m * ldy + j, ldy,
-                      accumulate);
+      for (int64_t j = n0; j < n0 + nr; j += 2)
+        tile_blocks<MR, 2>(x + m * ldx, ldx, blocks.rows(j), bias ? bias + j : nullptr, y + m * ldy + j, ldy,
+                           accumulate);
 #endif
+    });
   }, kBlockMostRows);
 }
 
