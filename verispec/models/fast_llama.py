@@ -877,8 +877,7 @@ class FastLlama:
         for layer in w["layers"]:
             for key in _LAYER_MATRICES:
                 if layer.get(key + "_q4") is not None:
-                    q4 = [layer[key + "_q4"]]
-                    unread += [layer[key]] if blocks and self.q4_rows > 0 else q4
+                    unread.append(layer[key] if blocks and self.q4_rows > 0 else layer[key + "_q4"])
         head_q8 = [w["head_q8"]] if w.get("head_q8") is not None else []
         screen = w.get("head_screen")
         if greedy and screen is not None:  # the screen and a few rows of the head
