@@ -617,43 +617,81 @@ inline void tile2p(const float* x, int64_t ldx, const WT* w, int64_t K, const fl
 #endif
 
 #if defined(__AVX512F__)
+// Eight horizontal sums of four registers held in pairs, z[i] = [a's 8 lanes | b's], into
+// out[0 .. 8) in order (z[0]'s halves, then z[1]'s, ...), each bitwise hsum(half): hsum adds
+// t_l = v_l + v_(l+4), then u_0 = t_0 + t_2 and u_1 = t_1 + t_3, then u_0 + u_1, and the rounds
+// below add the same lanes in the same order for eight halves at once.
+inline void hsum8_pairs(const __m512* z, float* out) {
+  // w0 = [t of z0.a | t of z0.b | t of z2.a | t of z2.b] and w1 the same of z1 and z3
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[2], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(z[0], z[2], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(z[1], z[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(z[1], z[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  // per 128-bit lane q: [u_0, u_1 of w0's half q, u_0, u_1 of w1's half q]
+  const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(w0, w1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(w0, w1, _MM_SHUFFLE(3, 2, 3, 2)));
+  // lanes 4q and 4q + 2: the sums of w0's and w1's half q
+  const __m512 r = _mm512_add_ps(u, _mm512_movehdup_ps(u));
+  const __m512i order = _mm512_setr_epi32(0, 4, 2, 6, 8, 12, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+  _mm256_storeu_ps(out, _mm512_castps512_ps256(_mm512_permutexvar_ps(order, r)));
+}
+
+// The outputs of a tile of MR input rows against NP pairs of weight rows whose accumulators are
+// held in pairs (acc[i][p] = [row 2p's 8 lanes | row 2p + 1's], `tile2p_z`, `tile_blocks_z`):
+// each sum is hsum's, eight at a time (`hsum8_pairs`), then finish_dot's, so every output is
+// bitwise what hsum and finish_dot give one at a time.
+template <int MR, int NP>
+inline void finish_pairs(const __m512 (&acc)[MR][NP], const float* scale, const float* bias, float* y,
+                         int64_t ldy, bool accumulate) {
+  constexpr int R = MR * NP;                // registers, in row order
+  constexpr int G = (R + 3) / 4;            // groups of four
+  alignas(64) float sums[G * 8];
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g) {
+    __m512 z[4];
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) {
+      const int r = 4 * g + q;
+      z[q] = r < R ? acc[r / NP][r % NP] : _mm512_setzero_ps();
+    }
+    hsum8_pairs(z, sums + 8 * g);
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 2 * NP; ++j) finish_dot(sums[i * 2 * NP + j], scale, bias, j, y + i * ldy + j, accumulate);
+}
+
 // tile2p for float32 weights in 512-bit registers. A pair's chunk of 8 weights of both rows,
 // [row 2p: k .. k+7 | row 2p+1: k .. k+7], is one load, and meets the input's 8 values repeated
 // in both halves: one fma does the work of two of tile2p's, and lane l of each half forms exactly
 // the chain that lane l of tile2p's register for that row forms. Each half then goes through the
-// same hsum, so the outputs are bitwise the same as tile2p's (and tile's).
-template <int MR>
+// same hsum, so the outputs are bitwise the same as tile2p's (and tile's). NP pairs of weight rows
+// (tile2p's two, or a block's four: `tile_rows_wide`) meet each input vector.
+template <int MR, int NP = 2>
 inline void tile2p_z(const float* x, int64_t ldx, const float* w, int64_t K, const float* scale,
                      const float* bias, float* y, int64_t ldy, bool accumulate, int64_t pf) {
-  const float* p0 = w;
-  const float* p1 = w + 2 * K;
-  __m512 acc[MR][2];
+  __m512 acc[MR][NP];
 #pragma GCC unroll 16
-  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p) acc[i][p] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 8) {  // paired: K % 8 == 0, no tail
-    const __m512 w0 = _mm512_loadu_ps(p0 + 2 * k);
-    const __m512 w1 = _mm512_loadu_ps(p1 + 2 * k);
+    __m512 wv[NP];
+#pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p) wv[p] = _mm512_loadu_ps(w + 2 * p * K + 2 * k);
     if (pf != 0 && (2 * k) % kLine<float> == 0) {
-      _mm_prefetch(reinterpret_cast<const char*>(p0 + 2 * k + pf), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(p1 + 2 * k + pf), _MM_HINT_T1);
+#pragma GCC unroll 4
+      for (int p = 0; p < NP; ++p)
+        _mm_prefetch(reinterpret_cast<const char*>(w + 2 * p * K + 2 * k + pf), _MM_HINT_T1);
     }
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) {
       const __m512 xv = _mm512_castpd_ps(
           _mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(x + i * ldx + k))));
-      acc[i][0] = _mm512_fmadd_ps(xv, w0, acc[i][0]);
-      acc[i][1] = _mm512_fmadd_ps(xv, w1, acc[i][1]);
+#pragma GCC unroll 4
+      for (int p = 0; p < NP; ++p) acc[i][p] = _mm512_fmadd_ps(xv, wv[p], acc[i][p]);
     }
   }
-  for (int i = 0; i < MR; ++i) {
-    for (int j = 0; j < 4; ++j) {
-      const __m512 a = acc[i][j / 2];
-      const __m256 half =
-          j % 2 == 0 ? _mm512_castps512_ps256(a)
-                     : _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
-      finish_dot(hsum(half), scale, bias, j, y + i * ldy + j, accumulate);
-    }
-  }
+  finish_pairs<MR, NP>(acc, scale, bias, y, ldy, accumulate);
 }
 #endif
 
@@ -715,32 +753,49 @@ inline void tile_any(int64_t mr, const float* x, int64_t ldx, const WT* w, int64
 // one thread from L2: 5 rows 36 -> 28 us, 9 rows 66-74 -> 44-47. A whole forward of 9 tokens at
 // 200 cached: 33.5-39.3 -> 30.8-34.8 (1.46-1.63 -> 1.30-1.48 of one token). Five rows from memory
 // gained nothing (bound by reading the weights), hence `Schedule::wide_float_rows` = 6.
-template <int MR>
+//
+// Calls of more rows than one pass holds (prompts, in pieces of 64) are bound by the arithmetic,
+// not by reading the weights, whose block is in L1 after the first pass: they go in passes of up
+// to kComputeRows rows against all four pairs of a block (NP = 4: 24 accumulators, 4 weight loads
+// and 6 input loads per 24 multiply-adds, against 2 and 12 with NP = 2). Measured on the 2-core
+// Zen 5 EPYC (session 25, /tmp/s25/mb.py: SmolLM2's 120 layer matrices, 64 rows, 2 threads, min of
+// 9 interleaved rounds): 41.6 -> 38.0 ms, 164 -> 179 GMAC/s, 76% of the two cores' multiply-add
+// peak. A pass of 9 or 12 rows split this way got slower (a 9-token step 11.8 -> 15.5 ms): its
+// first pass waits on memory, hence only for calls of more than kWideMostRows rows.
+constexpr int64_t kWideMostRows = 12;
+constexpr int64_t kComputeRows = 6;
+
+template <int MR, int NP>
 inline void tile_rows_wide(const float* x, int64_t ldx, const float* w, int64_t K, int64_t nr,
                            const float* scale, const float* bias, float* y, int64_t ldy, bool acc,
                            int64_t pf) {
   int64_t j = 0;
+  for (; j + 2 * NP <= nr; j += 2 * NP)
+    tile2p_z<MR, NP>(x, ldx, w + j * K, K, scale ? scale + j : nullptr, bias ? bias + j : nullptr,
+                     y + j, ldy, acc, pf);
   for (; j + 4 <= nr; j += 4)
-    tile2p_z<MR>(x, ldx, w + j * K, K, scale ? scale + j : nullptr, bias ? bias + j : nullptr,
-                 y + j, ldy, acc, pf);
+    tile2p_z<MR, 2>(x, ldx, w + j * K, K, scale ? scale + j : nullptr, bias ? bias + j : nullptr,
+                    y + j, ldy, acc, pf);
   for (int64_t m = 0; j < nr && m < MR; m += 6)  // a last pair: pair tiles, 6 rows at a time
     tile_any(std::min<int64_t>(6, MR - m), x + m * ldx, ldx, w + j * K, K, nr - j,
              scale ? scale + j : nullptr, bias ? bias + j : nullptr, y + m * ldy + j, ldy, acc, pf,
              true, 1);
 }
 
+// `compute`: a pass of a call of more than kWideMostRows rows (at most kComputeRows), tiled for
+// the arithmetic (above).
 inline void tile_any_wide(int64_t mr, const float* x, int64_t ldx, const float* w, int64_t K,
                           int64_t nr, const float* scale, const float* bias, float* y,
-                          int64_t ldy, bool acc, int64_t pf) {
-#define VERISPEC_WIDE(R) \
-  case R: return tile_rows_wide<R>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf)
-  switch (mr) {
-    VERISPEC_WIDE(1); VERISPEC_WIDE(2); VERISPEC_WIDE(3); VERISPEC_WIDE(4);
-    VERISPEC_WIDE(5); VERISPEC_WIDE(6); VERISPEC_WIDE(7); VERISPEC_WIDE(8);
-    VERISPEC_WIDE(9); VERISPEC_WIDE(10); VERISPEC_WIDE(11);
-    default: return tile_rows_wide<12>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf);
+                          int64_t ldy, bool acc, int64_t pf, bool compute) {
+  if (compute) {
+    with_rows<kComputeRows>(mr, [&](auto R) {
+      tile_rows_wide<decltype(R)::value, 4>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf);
+    });
+    return;
   }
-#undef VERISPEC_WIDE
+  with_rows<kWideMostRows>(mr, [&](auto R) {
+    tile_rows_wide<decltype(R)::value, 2>(x, ldx, w, K, nr, scale, bias, y, ldy, acc, pf);
+  });
 }
 #endif
 
@@ -820,11 +875,12 @@ void linear(const float* x, int64_t M, int64_t ldx, const WT* w, int64_t N, int6
     if constexpr (std::is_same_v<WT, float>) {
       const int64_t wide = std::max(sched.wide_float_rows, sched.two_pair_rows_float);
       if (paired && sched.wide_float_rows > 0 && M >= wide) {
+        const bool compute = M > kWideMostRows;
         for_each_pass(M, N, [&](int64_t m, int64_t mr, int64_t n0, int64_t nr, bool first) {
           tile_any_wide(mr, x + m * ldx, ldx, w + n0 * K, K, nr, scale ? scale + n0 : nullptr,
                         bias ? bias + n0 : nullptr, y + m * ldy + n0, ldy, accumulate,
-                        first ? pf : 0);
-        }, 12);
+                        first ? pf : 0, compute);
+        }, compute ? kComputeRows : kWideMostRows);
         return;
       }
     }
@@ -1017,18 +1073,15 @@ inline void tile_blocks_z(const float* x, int64_t ldx, const B& blocks, const fl
       }
     }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int p = 0; p < NP; ++p) {
-      const __m512 a = acc[i][p];
-      finish_dot(hsum(_mm512_castps512_ps256(a)), nullptr, bias, 2 * p, y + i * ldy + 2 * p, accumulate);
-      finish_dot(hsum(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1))), nullptr, bias,
-                 2 * p + 1, y + i * ldy + 2 * p + 1, accumulate);
-    }
+  finish_pairs<MR, NP>(acc, nullptr, bias, y, ldy, accumulate);
 }
 
 // Pairs per `tile_blocks_z` call for MR input rows: enough independent chains for one or two rows,
-// and at most 16 accumulators (32 registers in all).
-constexpr int blocks_z_pairs(int MR) { return MR <= 2 ? 4 : MR <= 8 ? 2 : 1; }
+// and at most 16 accumulators (32 registers in all). Up to 4 rows, all four pairs of a group, so
+// an input vector meets 4 registers of weights: on the 2-core Zen 5 EPYC (session 25, greedy
+// step at 200 cached tokens, min of 11 in one process, ms) 3 tokens 5.52 -> 4.82, 4 tokens 6.24
+// -> 6.05 (with 3 rows only: 4.99 and 6.31); 5 and 8 tokens unchanged.
+constexpr int blocks_z_pairs(int MR) { return MR <= 4 ? 4 : MR <= 8 ? 2 : 1; }
 
 // Weight rows n0 .. n0+nr (nr even) of blocks against MR input rows.
 template <int MR, typename B>
@@ -1117,7 +1170,7 @@ inline float dot(const float* a, const KT* b, int64_t n) {
   return s;
 }
 
-// The last round of dot8's eight horizontal sums, shared with reduce8_pairs: u_0 + u_1 of each key
+// The last round of dot8's eight horizontal sums: u_0 + u_1 of each key
 // (keys in lanes 0, 2, 4, 6, 1, 3, 5, 7 after the adds), stored in key order to out[0 .. 8).
 inline void last_round8(__m256 u0, __m256 u1, float* out) {
   const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
@@ -1233,21 +1286,6 @@ inline __m512 load8_pair(const KT* a, const KT* b) {
                                              _mm256_castps_pd(load8(b)), 1));
 }
 
-// dot8's reduction for accumulators held in pairs: z[i] = [key 2i's 8 lanes | key 2i + 1's]. The
-// same lanes are added in the same order as dot8's (hence hsum's): t_i (lane l + lane l + 4 of a
-// key, for keys 2i and 2i + 1) for two i at once, then u, then the final round.
-inline void reduce8_pairs(const __m512* z, float* out) {
-  // w0 = [t_0 | t_2], w1 = [t_1 | t_3] (128-bit lanes 0 and 2 of a pair are its keys' low halves)
-  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[2], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(z[0], z[2], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(z[1], z[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(z[1], z[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(w0, w1, _MM_SHUFFLE(1, 0, 1, 0)),
-                                 _mm512_shuffle_ps(w0, w1, _MM_SHUFFLE(3, 2, 3, 2)));  // [u_0 | u_1]
-  last_round8(_mm512_castps512_ps256(u), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)),
-              out);
-}
-
 // Scores of QN queries against keys j .. j + 7 (rows of k, 64 floats each): out[x][0 .. 8). Two
 // keys share a register and each query's 8 values are repeated in both halves, so lane l of each
 // half forms dot's chain for its key; the four registers of key pairs are loaded once for all QN
@@ -1273,7 +1311,7 @@ inline void dot8_queries(const float* const* q, const KT* k, float* const* out) 
     }
   }
 #pragma GCC unroll 4
-  for (int x = 0; x < QN; ++x) reduce8_pairs(a[x], out[x]);
+  for (int x = 0; x < QN; ++x) hsum8_pairs(a[x], out[x]);
 }
 
 // weighted_rows for QN queries over the same value rows j0 .. j1 - 1: each row is loaded once
