@@ -144,6 +144,7 @@ def test_short_prefill_in_kernel_pieces_is_bitwise_the_kernel_one_token_at_a_tim
     T = 70
     ids = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(5))
     fast = FastLlama.from_hf(hf, max_batch_size=2, dtype=dtype, use_kernel=True)
+    fast.kernel_prefill_piece = 48  # two pieces of different widths, both wider than a step
     assert fast.kernel_max_tokens < fast.kernel_prefill_piece < T <= fast.kernel_prefill_max[dtype]
     widths: list[int] = []
     kernel_forward = fast._forward_kernel

@@ -561,14 +561,18 @@ class FastLlama:
     """Longer torch-path calls are split into chunks of this many tokens to bound activations
     (2048 tokens: about 25 MB in the widest one). A prompt in one chunk gets the causal attention
     that skips the masked half; later chunks need an explicit mask."""
-    kernel_prefill_piece: int = 64
+    kernel_prefill_piece: int = 128
     """Longer calls that still run on the kernel (up to ``kernel_prefill_max``) go in pieces of this
     many tokens per row. Each piece reads every weight once, so pieces of ``kernel_max_tokens`` (16)
     left a float32 prompt bound by memory. Measured on the Xeon (session 17, SmolLM2-135M, min of 4,
     ms, pieces of 16 / 64, torch path beside): float32 64 tokens 138 / 99 (234), 128 321 / 188
     (323), 192 505 / 404 (466), 256 - / 474 (535), 384 - / 750 (761); int8 64 98 / 90 (111), 128
-    191 / 172 (161). Larger pieces gained nothing more (128 tokens in one piece: 197). The kernel's
-    logits do not depend on how many tokens share a call, so they are bitwise the same."""
+    191 / 172 (161); there 128 tokens in one piece took 197. On the 2-core Zen 5 EPYC, once its
+    float32 passes were tiled for the arithmetic (session 25, ``/tmp/s25/piece.py``, min of 6 in
+    one process, ms, pieces of 64 / 128 / 256): float32 256 tokens 196 / 177 / 182 and 700 tokens
+    586 / 536 / 536 (a second run: 536 / 509 / 493); int8 unchanged (700 tokens 422 / 423 / 421).
+    The kernel's logits do not depend on how many tokens share a call, so they are bitwise the
+    same."""
     kernel_prefill_max: dict[str, int] = {"float32": 96, "bfloat16": 96, "int8": 96}
     """Calls up to this many tokens per row (by weight format) still run on the kernel, in pieces of
     ``kernel_prefill_piece``: below it the torch path's fixed costs (widening bfloat16/int8 weights to a

@@ -16,9 +16,9 @@ size in ``<cache>/kernel_schedule.json``, so the measurement runs once per machi
 ``VERISPEC_KERNEL_SCHEDULE`` (``one-stream``, ``two-stream`` or ``auto``) overrides it.
 
 The same goes for how long a prompt the kernel still takes (``FastLlama.kernel_prefill_max``): it
-runs a prompt in pieces (``FastLlama.kernel_prefill_piece``: 64 tokens since session 17, 16
-before), each reading all the weights, where the torch path runs one large product per matrix at a
-fixed cost (float32: a row-major copy of the paired matrices;
+runs a prompt in pieces (``FastLlama.kernel_prefill_piece``: 128 tokens since session 25, 64
+since session 17, 16 before), each reading all the weights, where the torch path runs one large
+product per matrix at a fixed cost (float32: a row-major copy of the paired matrices;
 bfloat16 and int8: a float32 or bfloat16 copy). Where they cross depends on the CPU (session 13,
 the Xeon, min of 5, kernel / torch ms): float32 128 tokens 249 / 272, 192 381 / 377; int8 96 115 /
 148, 128 161 / 149; bfloat16, whose torch path runs on AMX, 64 135 / 100. The session-4 EPYC
@@ -67,14 +67,16 @@ where the two paths are close (160 until session 17, when float32 crossed near 4
 PREFILL_LONG = 1024
 """The third length :func:`measure_crossing` times when the kernel still leads at the longest of
 :data:`PREFILL_SIZES` and the lines meet past it (at most the model's ``max_length``)."""
-PREFILL_KEY = "prefill-v5|"
+PREFILL_KEY = "prefill-v6|"
 """Prefix of the cached crossings' keys, changed whenever either path's cost changes so that every
 machine measures again. v3 (session 17): the torch path copies paired matrices in the kernel
 (SmolLM2-135M's layers, float32 62-69 -> 43-49 ms, int8 to bfloat16 37-51 -> 18-20 ms), and the
 kernel takes prompts in pieces of 64 tokens instead of 16 (float32 128 tokens 321 -> 188 ms). v4
 (session 18): those copies of float32 bypass the caches (within a 210-token float32 prefill, 76-92
 -> 46-62 ms). v5 (session 20): crossings past the measured lengths are measured at
-:data:`PREFILL_LONG`, and may lie up to 2048 tokens."""
+:data:`PREFILL_LONG`, and may lie up to 2048 tokens. v6 (session 25): float32 passes of more
+than 12 rows are tiled for the arithmetic and the kernel takes prompts in pieces of 128 (a
+700-token float32 prompt on the Zen 5 EPYC 635 -> 509-536 ms)."""
 PREFILL_LIMITS = (16, 2 * PREFILL_LONG)
 """The crossing :func:`prefill_crossing` returns lies in this range: below the kernel's own call
 size a prompt is one kernel call anyway, and far past the measured lengths (at most twice the
