@@ -754,16 +754,19 @@ inline void tile_any(int64_t mr, const float* x, int64_t ldx, const WT* w, int64
 // 200 cached: 33.5-39.3 -> 30.8-34.8 (1.46-1.63 -> 1.30-1.48 of one token). Five rows from memory
 // gained nothing (bound by reading the weights), hence `Schedule::wide_float_rows` = 6.
 //
-// Calls of more rows than one pass holds (prompts, in pieces of 64) are bound by the arithmetic,
+// Calls of more than kComputeFrom rows (prompts, in pieces of 128) are bound by the arithmetic,
 // not by reading the weights, whose block is in L1 after the first pass: they go in passes of up
 // to kComputeRows rows against all four pairs of a block (NP = 4: 24 accumulators, 4 weight loads
 // and 6 input loads per 24 multiply-adds, against 2 and 12 with NP = 2). Measured on the 2-core
 // Zen 5 EPYC (session 25, /tmp/s25/mb.py: SmolLM2's 120 layer matrices, 64 rows, 2 threads, min of
 // 9 interleaved rounds): 41.6 -> 38.0 ms, 164 -> 179 GMAC/s, 76% of the two cores' multiply-add
-// peak. A pass of 9 or 12 rows split this way got slower (a 9-token step 11.8 -> 15.5 ms): its
-// first pass waits on memory, hence only for calls of more than kWideMostRows rows.
+// peak; a 128-token prompt piece 98 -> 89 ms. Steps of 9 or 12 rows split this way got slower (9
+// tokens 11.8 -> 15.5 ms: the first pass waits on memory), and 16 rows were 3-8% slower too (in
+// passes of 6, 5 and 5 rather than two of 8), hence only above kComputeFrom rows (a step feeds a
+// row at most 16 tokens, `FastLlama.kernel_max_tokens`).
 constexpr int64_t kWideMostRows = 12;
 constexpr int64_t kComputeRows = 6;
+constexpr int64_t kComputeFrom = 16;
 
 template <int MR, int NP>
 inline void tile_rows_wide(const float* x, int64_t ldx, const float* w, int64_t K, int64_t nr,
@@ -782,8 +785,8 @@ inline void tile_rows_wide(const float* x, int64_t ldx, const float* w, int64_t 
              true, 1);
 }
 
-// `compute`: a pass of a call of more than kWideMostRows rows (at most kComputeRows), tiled for
-// the arithmetic (above).
+// `compute`: a pass of a call of more than kComputeFrom rows (at most kComputeRows), tiled for the
+// arithmetic (above).
 inline void tile_any_wide(int64_t mr, const float* x, int64_t ldx, const float* w, int64_t K,
                           int64_t nr, const float* scale, const float* bias, float* y,
                           int64_t ldy, bool acc, int64_t pf, bool compute) {
@@ -875,7 +878,7 @@ void linear(const float* x, int64_t M, int64_t ldx, const WT* w, int64_t N, int6
     if constexpr (std::is_same_v<WT, float>) {
       const int64_t wide = std::max(sched.wide_float_rows, sched.two_pair_rows_float);
       if (paired && sched.wide_float_rows > 0 && M >= wide) {
-        const bool compute = M > kWideMostRows;
+        const bool compute = M > kComputeFrom;
         for_each_pass(M, N, [&](int64_t m, int64_t mr, int64_t n0, int64_t nr, bool first) {
           tile_any_wide(mr, x + m * ldx, ldx, w + n0 * K, K, nr, scale ? scale + n0 : nullptr,
                         bias ? bias + n0 : nullptr, y + m * ldy + n0, ldy, accumulate,
