@@ -1081,9 +1081,12 @@ inline void tile_blocks_z(const float* x, int64_t ldx, const B& blocks, const fl
 
 // Pairs per `tile_blocks_z` call for MR input rows: enough independent chains for one or two rows,
 // and at most 16 accumulators (32 registers in all). Up to 4 rows, all four pairs of a group, so
-// an input vector meets 4 registers of weights: on the 2-core Zen 5 EPYC (session 25, greedy
-// step at 200 cached tokens, min of 11 in one process, ms) 3 tokens 5.52 -> 4.82, 4 tokens 6.24
-// -> 6.05 (with 3 rows only: 4.99 and 6.31); 5 and 8 tokens unchanged.
+// an input vector meets 4 registers of weights. On the 2-core Zen 5 EPYC (session 25, greedy step
+// at 200 cached tokens, min of 15, ms, two builds of the kernel over the same weights in one
+// process, /tmp/s25/ab2.py), with `finish_pairs` beside it: 2 tokens 3.82 -> 3.42, 3 tokens 4.55
+// -> 4.09, 4 tokens 5.46 -> 4.99, 5 tokens 6.86 -> 6.51; 1 and 8 tokens unchanged. (Two models
+// loaded side by side differed by up to 30% at 5-8 tokens with the same build: compare builds
+// over one copy of the weights.)
 constexpr int blocks_z_pairs(int MR) { return MR <= 4 ? 4 : MR <= 8 ? 2 : 1; }
 
 // Weight rows n0 .. n0+nr (nr even) of blocks against MR input rows.
