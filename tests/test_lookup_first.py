@@ -157,6 +157,27 @@ def test_default_drafter_is_lookup_first_over_the_shipped_draft(tmp_path, monkey
     assert isinstance(named, EagleProposer) and named.draft.weights == "int8"
 
 
+def test_shipped_drafts_run_in_int8_unless_told_otherwise(monkeypatch, tmp_path):
+    """A shipped draft's kernel copy is int8 for a float32 target too (its token costs its reads);
+    ``VERISPEC_DRAFT_WEIGHTS`` picks another format, and a format the kernel lacks is an error."""
+    from verispec.config import ConfigError
+    from verispec.distill import shipped
+    from verispec.distill.shipped import draft_weights_for, save_draft, target_id
+
+    _, target = _fast_target()
+    model, _ = _eagle(target)
+    monkeypatch.setattr(shipped, "SHIPPED", tmp_path)
+    save_draft(tmp_path / "eagle", model, {"target_id": target_id(target)})
+    monkeypatch.delenv("VERISPEC_DRAFT_WEIGHTS", raising=False)
+    assert draft_weights_for(target) == "int8"
+    assert shipped.load_draft(tmp_path / "eagle", target).weights == "int8"
+    monkeypatch.setenv("VERISPEC_DRAFT_WEIGHTS", "bfloat16")
+    assert shipped.load_draft(tmp_path / "eagle", target).weights == "bfloat16"
+    monkeypatch.setenv("VERISPEC_DRAFT_WEIGHTS", "float16")
+    with pytest.raises(ConfigError, match="VERISPEC_DRAFT_WEIGHTS"):
+        draft_weights_for(target)
+
+
 def test_eagle_token_seconds_leaves_the_proposer_alone():
     from verispec.bench.measure import eagle_token_seconds
 

@@ -174,7 +174,7 @@ def eagle_token_seconds(proposer, reps: int = 21) -> float:
     from verispec.distill.model import DraftKV
     from verispec.models.threads import torch_threads
 
-    scratch = DraftKV(proposer.draft.model, max_length=8)
+    scratch = DraftKV(proposer.draft.model, max_length=8, weights=proposer.draft.weights)
     feat = torch.randn(1, proposer.draft.model.cfg.hidden_size)
 
     def one() -> None:

@@ -427,10 +427,11 @@ class DraftKV:
 
 
 KERNEL_WEIGHTS = ("bfloat16", "int8")
-"""Weight formats of a draft on the C++ kernel. bfloat16 (the default) reads half of float32's bytes
-per draft token and changes the target's own top-1 token at 0.5% of positions (``fast_llama.py``);
-int8 (per-row scales, as the target's int8 format) halves them again, for an int8 target, whose
-steps are cheap enough that the draft's reads weigh (benchmarks/DRAFTS.md, session 10)."""
+"""Weight formats of a draft on the C++ kernel. bfloat16 (``DraftKV``'s default) reads half of
+float32's bytes per draft token and changes the target's own top-1 token at 0.5% of positions
+(``fast_llama.py``); int8 (per-row scales, as the target's int8 format) halves them again. Shipped
+drafts run in int8 (``verispec.distill.shipped.draft_weights_for``): a draft token costs its reads
+(benchmarks/DRAFTS.md, sessions 10 and 25)."""
 
 
 def _kernel_matrix(weights: str, *ts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -16,12 +16,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 
 import torch
 
 from verispec.config import ConfigError
-from verispec.distill.model import DraftConfig, DraftKV, DraftLM, target_modules
+from verispec.distill.model import KERNEL_WEIGHTS, DraftConfig, DraftKV, DraftLM, target_modules
 from verispec.proposers import DraftModelProposer, Proposer
 
 log = logging.getLogger(__name__)
@@ -148,9 +149,18 @@ def load_draft(folder: str | Path, target, *, max_batch_size: int = 1) -> DraftK
 
 
 def draft_weights_for(target) -> str:
-    """The weight format of a draft's kernel copy for ``target``: int8 for an int8 target (its steps
-    are cheap, so the draft's reads weigh), bfloat16 otherwise (see ``KERNEL_WEIGHTS``)."""
-    return "int8" if getattr(target, "dtype", None) == "int8" else "bfloat16"
+    """The weight format of a draft's kernel copy for ``target`` (one of ``KERNEL_WEIGHTS``): int8.
+    A draft token costs what reading its weights costs, so int8 made each cheaper than bfloat16 on
+    every target measured: first an int8 target (session 10), and since session 25 a float32 one too,
+    whose steps had become cheap enough (see benchmarks/DRAFTS.md, session 25: the shipped head alone
+    0.84 / 0.88x -> 0.90 / 0.92x of plain decoding in two pairs of runs). ``VERISPEC_DRAFT_WEIGHTS``
+    overrides it. The draft's numbers never change the output, only how often it is accepted."""
+    forced = os.environ.get("VERISPEC_DRAFT_WEIGHTS", "")
+    if forced:
+        if forced not in KERNEL_WEIGHTS:
+            raise ConfigError(f"VERISPEC_DRAFT_WEIGHTS must be one of {KERNEL_WEIGHTS}, not {forced!r}")
+        return forced
+    return "int8"
 
 
 def load_proposer(folder: str | Path, target, *, max_batch_size: int = 1) -> Proposer:
