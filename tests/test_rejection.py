@@ -106,6 +106,39 @@ def test_seeded_rows_are_reproducible():
     assert math.isclose(float(a.num_accepted.sum()), float(b.num_accepted.sum()))
 
 
+def test_rows_without_drafts_take_the_targets_token_from_the_last_uniform():
+    """With nothing drafted in any row, the sampled token is the inverse-cdf draw of the target's
+    first distribution with the row's uniform k (the same draw the general path makes: a seeded row
+    gives the same token either way), the rest of the row is -1 and nothing is accepted."""
+    k = 3
+    target_probs = torch.softmax(torch.randn(2, k + 1, V, dtype=torch.float64), dim=-1)
+    toks = torch.randint(0, V, (2, k))
+    for draft_probs in (None, torch.full((2, k, V), 1.0 / V, dtype=torch.float64)):
+        got = rejection_sample(
+            toks, draft_probs, target_probs, torch.zeros(2, dtype=torch.int64),
+            [torch.Generator().manual_seed(3), torch.Generator().manual_seed(4)],
+        )  # fmt: skip
+        rand = torch.stack(
+            [
+                torch.rand(k + 1, generator=torch.Generator().manual_seed(s), dtype=torch.float64)
+                for s in (3, 4)
+            ]
+        )
+        assert torch.equal(got.tokens[:, 0], inverse_cdf(target_probs[:, 0], rand[:, k]))
+        assert torch.equal(got.tokens[:, 1:], torch.full((2, k), -1))
+        assert torch.equal(got.num_accepted, torch.zeros(2, dtype=torch.int64))
+    # One row drafting sends both rows through the general path, which agrees on the other row.
+    for seed in range(20):
+        alone = rejection_sample(
+            toks, None, target_probs, torch.zeros(2, dtype=torch.int64),
+            [torch.Generator().manual_seed(seed), None],
+        )  # fmt: skip
+        mixed = rejection_sample(
+            toks, None, target_probs, torch.tensor([0, 2]), [torch.Generator().manual_seed(seed), None]
+        )
+        assert int(mixed.tokens[0, 0]) == int(alone.tokens[0, 0]) and int(mixed.num_accepted[0]) == 0
+
+
 def test_greedy_verify_equals_rejection_sample_on_one_hot():
     from verispec.rejection import greedy_verify
 
