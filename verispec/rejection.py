@@ -63,7 +63,7 @@ def rejection_sample(
     rand = uniforms(generators, k + 1, dtype).to(target_probs.device)  # [B, k + 1]
     if not bool((num_draft > 0).any()):
         # Nothing drafted (plain sampled decoding): what the steps below give then, the target's own
-        # token from the same uniform, without their gathers (123 -> about 55 us a step, V = 49152).
+        # token from the same uniform, without their gathers (123 -> 59 us a step, V = 49152, one row).
         tokens = torch.full((batch, k + 1), -1, dtype=torch.int64, device=draft_tokens.device)
         tokens[:, 0] = inverse_cdf(target_probs[:, 0], rand[:, k]).to(tokens.device)
         return Verdict(tokens=tokens, num_accepted=torch.zeros(batch, dtype=torch.int64, device=rand.device))
