@@ -89,22 +89,22 @@ class LookupFirst:
         self.draft.start(slot, tokens)
         self._stats.start(slot)
 
-    def draft_cost(self, batch: int = 1, context: int = 0) -> float:
-        """The draft's cost per token in target steps (see the class's ``draft_cost``)."""
+    def draft_cost(self, batch: int = 1, context: int = 0, measured: bool = True) -> float:
+        """The draft's cost per token in target steps (see the class's ``draft_cost``); with
+        ``measured`` False, never the clock's: the fixed cost, else :data:`DRAFT_COST_PRIOR`."""
         if self.fixed_draft_cost is not None:
             return self.fixed_draft_cost
-        measured = self._draft_times.in_steps(self.costs, batch, context)
-        return DRAFT_COST_PRIOR if measured is None else measured
+        timed = self._draft_times.in_steps(self.costs, batch, context) if measured else None
+        return DRAFT_COST_PRIOR if timed is None else timed
 
     def _prices(self, k: int, batch: int, context: int, seeded: bool) -> tuple[list[float], float]:
         """The verification curve for up to k drafts and the draft's cost per token: measured, or
-        for a seeded sampled row the prior curve and a fixed cost (:data:`DRAFT_COST_PRIOR`
-        unless the class was given one)."""
-        if seeded:
-            fixed = self.fixed_draft_cost
-            return prior_ratios(k + 1), DRAFT_COST_PRIOR if fixed is None else fixed
-        curve = self.costs.ratios(k + 1, batch, context) if self.costs is not None else prior_ratios(k + 1)
-        return curve, self.draft_cost(batch, context)
+        for a seeded sampled row the prior curve and the unmeasured cost."""
+        if seeded or self.costs is None:
+            curve = prior_ratios(k + 1)
+        else:
+            curve = self.costs.ratios(k + 1, batch, context)
+        return curve, self.draft_cost(batch, context, measured=not seeded)
 
     def acceptance(self, slot: int) -> list[float]:
         """The draft's estimated conditional acceptance at each position for this slot."""
