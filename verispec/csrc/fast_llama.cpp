@@ -291,6 +291,22 @@ inline __m256d hsum4_i32(__m256i a, __m256i b, __m256i c, __m256i d) {
   return _mm256_add_pd(_mm256_permute2f128_pd(ab, cd, 0x20), _mm256_permute2f128_pd(ab, cd, 0x31));
 }
 
+// The 4 outputs of each of MR input rows from their exact integer sums `total` (`hsum4_i32`), as
+// the int8 tiles of 4 weight rows end: (t * xs) * scale in double rounded once to float, then the
+// bias, stored or added to what `y` holds.
+template <int MR>
+inline void finish_q4(const __m256d (&total)[MR], const float* xs, const float* scale, const float* bias,
+                      float* y, int64_t ldy, bool accumulate) {
+  const __m256d sc = _mm256_cvtps_pd(_mm_loadu_ps(scale));
+  const __m128 b = bias != nullptr ? _mm_loadu_ps(bias) : _mm_setzero_ps();
+  for (int i = 0; i < MR; ++i) {
+    __m128 s = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_mul_pd(total[i], _mm256_set1_pd(xs[i])), sc));
+    if (bias != nullptr) s = _mm_add_ps(s, b);
+    float* out = y + i * ldy;
+    _mm_storeu_ps(out, accumulate ? _mm_add_ps(_mm_loadu_ps(out), s) : s);
+  }
+}
+
 // `tile_q` for two pairs of pair-interleaved rows (4 weight rows: w and w + 2K) and MR >= 2 input
 // rows: MR x 4 accumulators (up to 24 of AVX-512VL's 32 ymm registers), so each input load feeds 4
 // products instead of 2, and the sums leave the registers 4 at a time in double (`hsum4_i32`).
@@ -334,14 +350,7 @@ inline void tile_q2p(const int16_t* x, int64_t ldx, const float* xs, const i8* w
     for (int i = 0; i < MR; ++i)
       total[i] = _mm256_add_pd(total[i], hsum4_i32(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
   }
-  const __m256d sc = _mm256_cvtps_pd(_mm_loadu_ps(scale));
-  const __m128 b = bias != nullptr ? _mm_loadu_ps(bias) : _mm_setzero_ps();
-  for (int i = 0; i < MR; ++i) {
-    __m128 s = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_mul_pd(total[i], _mm256_set1_pd(xs[i])), sc));
-    if (bias != nullptr) s = _mm_add_ps(s, b);
-    float* out = y + i * ldy;
-    _mm_storeu_ps(out, accumulate ? _mm_add_ps(_mm_loadu_ps(out), s) : s);
-  }
+  finish_q4<MR>(total, xs, scale, bias, y, ldy, accumulate);
 }
 #endif
 
@@ -398,14 +407,7 @@ inline void tile_q2p_z(const int16_t* x, int64_t ldx, const float* xs, const i8*
           total[i], hsum4_i32(_mm512_castsi512_si256(acc[i][0]), _mm512_extracti64x4_epi64(acc[i][0], 1),
                               _mm512_castsi512_si256(acc[i][1]), _mm512_extracti64x4_epi64(acc[i][1], 1)));
   }
-  const __m256d sc = _mm256_cvtps_pd(_mm_loadu_ps(scale));
-  const __m128 b = bias != nullptr ? _mm_loadu_ps(bias) : _mm_setzero_ps();
-  for (int i = 0; i < MR; ++i) {
-    __m128 s = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_mul_pd(total[i], _mm256_set1_pd(xs[i])), sc));
-    if (bias != nullptr) s = _mm_add_ps(s, b);
-    float* out = y + i * ldy;
-    _mm_storeu_ps(out, accumulate ? _mm_add_ps(_mm_loadu_ps(out), s) : s);
-  }
+  finish_q4<MR>(total, xs, scale, bias, y, ldy, accumulate);
 }
 #endif
 
