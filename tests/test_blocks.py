@@ -168,19 +168,25 @@ def test_kernel_reading_blocks_is_bitwise_the_float32_kernel(
     assert blocks.read_bytes(greedy=True) < dense.read_bytes(greedy=True)
     assert blocks.weight_bytes() > dense.weight_bytes()  # the float32 matrices stay for long calls
 
-    ids = torch.randint(0, 300, (2, 60), generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(0, 300, (2, 90), generator=torch.Generator().manual_seed(4))
     for fast in (blocks, dense):
         fast.reset(2)
     assert torch.equal(blocks.forward(ids[:, :20]), dense.forward(ids[:, :20]))  # a prompt
     pos = 20
     for t in (1, 2, 3, 4, 5, 6, 7, 9, 13):  # decoding and verification widths
-        got, want = blocks.forward(ids[:, pos : pos + t]), dense.forward(ids[:, pos : pos + t])
-        assert torch.equal(got, want), t  # the whole head's logits (sampling)
-        blocks.truncate([pos, pos])
-        dense.truncate([pos, pos])
-        got = blocks.forward(ids[:, pos : pos + t], logits="argmax")  # greedy: the head's screen
-        assert torch.equal(got, dense.forward(ids[:, pos : pos + t], logits="argmax")), t
+        # both rows (2t rows in each matrix product), then row 1 alone (t: odd widths too); the
+        # whole head's logits (sampling), then greedy (the head's screen)
+        for rows in ([0, 1], [1]):
+            for logits in ("all", "argmax"):
+                span = ids[rows, pos : pos + t]
+                got = blocks.forward(span, rows=rows, logits=logits)
+                assert torch.equal(got, dense.forward(span, rows=rows, logits=logits)), (t, rows, logits)
+                blocks.truncate([pos, pos])
+                dense.truncate([pos, pos])
+        for fast in (blocks, dense):
+            fast.forward(ids[:, pos : pos + t], logits="none")
         pos += t
+    assert pos < ids.shape[1]
     # one row alone, the other untouched
     assert torch.equal(blocks.forward(ids[1:, pos:], rows=[1]), dense.forward(ids[1:, pos:], rows=[1]))
     # and the logits still are the model's

@@ -570,7 +570,6 @@ inline float softmax_numerators(float* p, int64_t n, float scale) {
   return sum;
 }
 
-#if defined(__AVX512VL__)
 // acc + x * w in one fused multiply-add, in inline assembly for the reason `dot_acc` gives: the
 // intrinsic would keep accumulators beyond 16 out of ymm16-31 (and fold the input loads into
 // memory operands, loading each input vector once per weight row).
@@ -579,6 +578,7 @@ inline __m256 fma_reg(__m256 x, __m256 w, __m256 acc) {
   return acc;
 }
 
+#if defined(__AVX512VL__)
 // `tile` for two pairs of pair-interleaved float32 or bfloat16 rows (4 weight rows: w and w + 2K)
 // and MR >= 2 input rows: MR x 4 accumulators in AVX-512VL's 32 registers, each input vector loaded
 // once for 4 products. Every output is the same chain as in `tile` (fma over k in steps of 8, hsum,
@@ -921,6 +921,7 @@ void linear(const float* x, int64_t M, int64_t ldx, const WT* w, int64_t N, int6
 // weight rows (`for_each_pass`) so reads one stream from memory, not 16.
 template <int64_t CB, int64_t SB>
 struct Grouped {
+  static constexpr int64_t kCodeBytes = CB, kScaleBytes = SB;
   const uint8_t* p;  // the matrix's first byte
   int64_t nb;        // blocks per row
   int64_t N;         // rows
@@ -931,43 +932,27 @@ struct Grouped {
     *scales = reinterpret_cast<const float*>(base + rows * CB + (r & 7) * SB);
     return base + (r & 7) * CB;
   }
+  // Block 0 of this view's first row: its codes and scales, and the bytes from one block to the
+  // next. Row row0 + j of the same group (j < 8 - row0 % 8) has its codes j * CB bytes on and its
+  // scales j * SB bytes on.
+  struct Walk {
+    const uint8_t* codes;
+    const uint8_t* scales;
+    int64_t step;
+  };
+  inline Walk walk() const {
+    const int64_t g = row0 >> 3, rows = std::min<int64_t>(8, N - 8 * g);
+    const uint8_t* base = p + g * 8 * nb * (CB + SB);
+    return {base + (row0 & 7) * CB, base + rows * CB + (row0 & 7) * SB, rows * (CB + SB)};
+  }
 };
 
 struct Q4Blocks : Grouped<16, 8> {  // the 4-bit blocks of a matrix
-  // Block b of row j widened to w[0 .. 4): its weights 0-7, 8-15, 16-23, 24-31.
-  inline void widen(int64_t j, int64_t b, __m256* w) const {
-    const float* dm;
-    const uint8_t* qb = codes(j, b, &dm);
-    const __m256 d = _mm256_broadcast_ss(dm);
-    const __m256 m = _mm256_broadcast_ss(dm + 1);
-    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb)));
-    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + 8)));
-#if defined(__AVX512VL__)
-    // The block's 16 possible weights fma(d, i, m), i = 0 .. 15, then each weight looked up by its
-    // code (the low 4 bits of each lane's index; a byte's high nibble after a shift by 4): the same
-    // values as the conversion below, in fewer instructions. Measured in one process, all 120 layer
-    // matrices of SmolLM2's shapes, min of 15, ms: 1 row 7.05 -> 6.38, 2 8.17 -> 7.66, 5 12.59 ->
-    // 12.03. (Without AVX-512VL, the conversion; it was the only path when this came in, and the
-    // tests ran on it then.)
-    const __m256 t0 = _mm256_fmadd_ps(d, _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), m);
-    const __m256 t1 = _mm256_fmadd_ps(d, _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15), m);
-    w[0] = _mm256_permutex2var_ps(t0, b0, t1);
-    w[1] = _mm256_permutex2var_ps(t0, b1, t1);
-    w[2] = _mm256_permutex2var_ps(t0, _mm256_srli_epi32(b0, 4), t1);
-    w[3] = _mm256_permutex2var_ps(t0, _mm256_srli_epi32(b1, 4), t1);
-#else
-    const __m256i low = _mm256_set1_epi32(15);
-    w[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(b0, low)), m);
-    w[1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(b1, low)), m);
-    w[2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), m);
-    w[3] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), m);
-#endif
-  }
 #if defined(__AVX512F__)
   // Block b of rows j and j + 1 (j even) widened to w[0 .. 4), for `tile_blocks_z`: the low half
   // of w[c] holds row j's weights 8c .. 8c+7, the high half row j + 1's. Each row's 16 possible
   // weights fma(d, i, m) fill one register, and a two-table lookup (bit 4 of an index picks row
-  // j + 1's table) widens both rows' codes at once: the same values as `widen`. The two rows lie
+  // j + 1's table) widens both rows' codes at once: the same values as `chunk`. The two rows lie
   // side by side (`Grouped`): codes at qa and qa + 16, scales at da and da + 2.
   inline void widen2(int64_t j, int64_t b, __m512* w) const {
     const float* da;
@@ -988,19 +973,18 @@ struct Q4Blocks : Grouped<16, 8> {  // the 4-bit blocks of a matrix
     w[3] = _mm512_permutex2var_ps(ta, _mm512_or_si512(_mm512_srli_epi32(i1, 4), high), tb);
   }
 #endif
+  // Weights 8c .. 8c+7 (c = 0 .. 3) of the block whose codes are at q and scales at s, widened to
+  // float32 for `tile_blocks`: fma(d, q, m) of the low nibbles of bytes 0-7 (c = 0), 8-15 (1),
+  // then of their high nibbles (2, 3).
+  static inline __m256 chunk(const uint8_t* q, const float* s, int c) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * (c & 1))));
+    const __m256i i = c < 2 ? _mm256_and_si256(v, _mm256_set1_epi32(15)) : _mm256_srli_epi32(v, 4);
+    return _mm256_fmadd_ps(_mm256_broadcast_ss(s), _mm256_cvtepi32_ps(i), _mm256_broadcast_ss(s + 1));
+  }
   Q4Blocks rows(int64_t n0) const { return {{p, nb, N, row0 + n0}}; }
 };
 
 struct Q8Blocks : Grouped<32, 4> {  // the 8-bit blocks of a matrix
-  inline void widen(int64_t j, int64_t b, __m256* w) const {
-    const float* d;
-    const int8_t* qb = reinterpret_cast<const int8_t*>(codes(j, b, &d));
-    const __m256 s = _mm256_broadcast_ss(d);
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c)
-      w[c] = _mm256_mul_ps(
-          s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + 8 * c)))));
-  }
 #if defined(__AVX512F__)
   inline void widen2(int64_t j, int64_t b, __m512* w) const {  // as Q4Blocks::widen2
     const float* d;
@@ -1014,37 +998,67 @@ struct Q8Blocks : Grouped<32, 4> {  // the 8-bit blocks of a matrix
     }
   }
 #endif
+  static inline __m256 chunk(const uint8_t* q, const float* s, int c) {  // weights 8c .. 8c+7: d * q
+    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * c));
+    return _mm256_mul_ps(_mm256_broadcast_ss(s), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
+  }
   Q8Blocks rows(int64_t n0) const { return {{p, nb, N, row0 + n0}}; }
 };
 
-// MR input rows against NR weight rows of blocks B: each block of a weight row is widened once
-// into four 8-lane registers and applied to all MR rows.
+// MR input rows against NR weight rows of blocks B (all in one group of 8), for CPUs without
+// AVX-512 (16 ymm registers). The blocks are widened 8 weights at a time (`chunk`), so that the
+// MR x NR accumulators fit beside one or a few weight registers; every output is one chain of
+// multiply-adds over K in steps of 8, as in `tile`, in the same order whatever MR and NR are.
+// - Up to 3 input rows: a weight row's block at a time, each of its chunks applied to all MR rows
+//   with the inputs as memory operands (NR = 8 for one row, 4 for two or three: 8 chains).
+// - 4 or more: one chunk of all NR (2) weight rows at a time, each input vector loaded once for NR
+//   products; as memory operands its loads outnumbered what the load ports take.
+// Measured on a 2-core Zen 3 EPYC (AVX2 only, session 26), SmolLM2-135M greedy step at 200 cached
+// tokens, two builds over the same weights in one process (/tmp/s26/ab.py), against this function
+// before (widening a whole block of 2 weight rows, then all MR rows): see the session's figures
+// in benchmarks/README.md.
 template <int MR, int NR, typename B>
 inline void tile_blocks(const float* x, int64_t ldx, const B& blocks, const float* bias, float* y,
                         int64_t ldy, bool accumulate) {
   __m256 acc[MR][NR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 2
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks.nb; ++b) {
-    __m256 w[NR][4];
-#pragma GCC unroll 2
-    for (int j = 0; j < NR; ++j) blocks.widen(j, b, w[j]);
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) {
-      const float* xi = x + i * ldx + b * 32;
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  auto at = blocks.walk();
+  for (int64_t b = 0; b < blocks.nb; ++b, at.codes += at.step, at.scales += at.step) {
+    const auto scales = [&](int j) { return reinterpret_cast<const float*>(at.scales + j * B::kScaleBytes); };
+    const auto input = [&](int i, int c) { return x + i * ldx + b * 32 + 8 * c; };
+    if constexpr (MR <= 3) {
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; ++j)
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) {
+          const __m256 w = B::chunk(at.codes + j * B::kCodeBytes, scales(j), c);
+#pragma GCC unroll 3
+          for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(input(i, c)), w, acc[i][j]);
+        }
+    } else {
 #pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) {
-        const __m256 xv = _mm256_loadu_ps(xi + 8 * c);
-#pragma GCC unroll 2
-        for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, w[j][c], acc[i][j]);
+        __m256 w[NR];
+#pragma GCC unroll 8
+        for (int j = 0; j < NR; ++j) w[j] = B::chunk(at.codes + j * B::kCodeBytes, scales(j), c);
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) {
+          const __m256 xv = _mm256_loadu_ps(input(i, c));
+#pragma GCC unroll 8
+          for (int j = 0; j < NR; ++j) acc[i][j] = fma_reg(xv, w[j], acc[i][j]);
+        }
       }
     }
   }
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) finish_dot(hsum(acc[i][j]), nullptr, bias, j, y + i * ldy + j, accumulate);
 }
+
+// Weight rows per `tile_blocks` call for MR input rows (above).
+constexpr int blocks_rows(int MR) { return MR == 1 ? 8 : MR <= 3 ? 4 : 2; }
 
 #if defined(__AVX512F__)
 // MR input rows against NP pairs of weight rows in 512-bit registers (each pair as `widen2` lays it
@@ -1124,7 +1138,12 @@ void linear_blocks(const float* x, int64_t M, int64_t ldx, const B& blocks, int6
       blocks_z_rows<MR>(x + m * ldx, ldx, blocks.rows(n0), nr, bias ? bias + n0 : nullptr, y + m * ldy + n0,
                         ldy, accumulate);
 #else
-      for (int64_t j = n0; j < n0 + nr; j += 2)
+      constexpr int NR = blocks_rows(MR);
+      int64_t j = n0;
+      for (; j + NR <= n0 + nr; j += NR)
+        tile_blocks<MR, NR>(x + m * ldx, ldx, blocks.rows(j), bias ? bias + j : nullptr, y + m * ldy + j, ldy,
+                            accumulate);
+      for (; j < n0 + nr; j += 2)
         tile_blocks<MR, 2>(x + m * ldx, ldx, blocks.rows(j), bias ? bias + j : nullptr, y + m * ldy + j, ldy,
                            accumulate);
 #endif

@@ -83,7 +83,7 @@ size a prompt is one kernel call anyway, and far past the measured lengths (at m
 longest, :data:`PREFILL_LONG`) a line is a guess."""
 
 BLOCKS_ENV = "VERISPEC_BLOCK_ROWS"
-BLOCKS_KEY = "blocks-v1|"
+BLOCKS_KEY = "blocks-v2|"
 """Prefix of the cached block-row crossings' keys (:func:`apply_blocks`); changed whenever either
 path's cost changes, so that every machine measures again."""
 BLOCK_WIDTHS = (2, 4, 6, 8, 10, 12, 14, 16)
