@@ -1013,10 +1013,17 @@ struct Q8Blocks : Grouped<32, 4> {  // the 8-bit blocks of a matrix
 //   with the inputs as memory operands (NR = 8 for one row, 4 for two or three: 8 chains).
 // - 4 or more: one chunk of all NR (2) weight rows at a time, each input vector loaded once for NR
 //   products; as memory operands its loads outnumbered what the load ports take.
-// Measured on a 2-core Zen 3 EPYC (AVX2 only, session 26), SmolLM2-135M greedy step at 200 cached
-// tokens, two builds over the same weights in one process (/tmp/s26/ab.py), against this function
-// before (widening a whole block of 2 weight rows, then all MR rows): see the session's figures
-// in benchmarks/README.md.
+// - The group's first tile prefetches the whole group's block kBlockPrefetchBytes ahead.
+// Measured on a 2-core Zen 3 EPYC (AVX2 only, session 26), SmolLM2-135M's greedy step at 200 cached
+// tokens, two builds over the same weights in one process (/tmp/s26/ab.py), min / median of 25-30,
+// ms. Against the tile before (a whole block of 2 weight rows widened, then all MR rows): 1 token
+// 12.06 / 15.39 -> 9.51 / 11.77, 2 tokens 13.83 / 17.15 -> 10.84 / 14.90, 5 tokens 23.51 / 29.61 ->
+// 21.04 / 24.71. Then the prefetch: 1 token 8.07 / 9.43 -> 7.22 / 8.26, 2 tokens 9.94 / 11.70 ->
+// 8.50 / 10.33, 5 tokens 16.42 / 20.76 -> 15.64 / 20.49 (1536 bytes ahead gained nothing at one
+// token; 8192 as much as 4096). This machine's memory is shared with other tenants: the figures
+// of a run drift by up to 50% within minutes, the two builds' order alternates.
+constexpr int64_t kBlockPrefetchBytes = 4096;
+
 template <int MR, int NR, typename B>
 inline void tile_blocks(const float* x, int64_t ldx, const B& blocks, const float* bias, float* y,
                         int64_t ldy, bool accumulate) {
@@ -1026,9 +1033,13 @@ inline void tile_blocks(const float* x, int64_t ldx, const B& blocks, const floa
 #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
   auto at = blocks.walk();
+  const bool lead = (blocks.row0 & 7) == 0;  // a group's first tile prefetches for all of it
   for (int64_t b = 0; b < blocks.nb; ++b, at.codes += at.step, at.scales += at.step) {
     const auto scales = [&](int j) { return reinterpret_cast<const float*>(at.scales + j * B::kScaleBytes); };
     const auto input = [&](int i, int c) { return x + i * ldx + b * 32 + 8 * c; };
+    if (lead)
+      for (int64_t o = 0; o < at.step; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(at.codes + kBlockPrefetchBytes + o), _MM_HINT_T0);
     if constexpr (MR <= 3) {
 #pragma GCC unroll 8
       for (int j = 0; j < NR; ++j)
