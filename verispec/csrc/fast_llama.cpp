@@ -1010,7 +1010,8 @@ struct Q8Blocks : Grouped<32, 4> {  // the 8-bit blocks of a matrix
 // MR x NR accumulators fit beside one or a few weight registers; every output is one chain of
 // multiply-adds over K in steps of 8, as in `tile`, in the same order whatever MR and NR are.
 // - Up to 3 input rows: a weight row's block at a time, each of its chunks applied to all MR rows
-//   with the inputs as memory operands (NR = 8 for one row, 4 for two or three: 8 chains).
+//   with the inputs as memory operands (NR = 8 for one row, 4 for two or three: at least 8
+//   chains, where 2 weight rows left one row's step waiting on the multiply-add's latency).
 // - 4 or more: one chunk of all NR (2) weight rows at a time, each input vector loaded once for NR
 //   products; as memory operands its loads outnumbered what the load ports take.
 // - The group's first tile prefetches the whole group's block kBlockPrefetchBytes ahead.
@@ -1020,8 +1021,8 @@ struct Q8Blocks : Grouped<32, 4> {  // the 8-bit blocks of a matrix
 // 12.06 / 15.39 -> 9.51 / 11.77, 2 tokens 13.83 / 17.15 -> 10.84 / 14.90, 5 tokens 23.51 / 29.61 ->
 // 21.04 / 24.71. Then the prefetch: 1 token 8.07 / 9.43 -> 7.22 / 8.26, 2 tokens 9.94 / 11.70 ->
 // 8.50 / 10.33, 5 tokens 16.42 / 20.76 -> 15.64 / 20.49 (1536 bytes ahead gained nothing at one
-// token; 8192 as much as 4096). This machine's memory is shared with other tenants: the figures
-// of a run drift by up to 50% within minutes, the two builds' order alternates.
+// token; 8192 as much as 4096). This machine's memory is shared with other tenants and its
+// figures drift by up to 50% within minutes, so only builds alternated within one run are compared.
 constexpr int64_t kBlockPrefetchBytes = 4096;
 
 template <int MR, int NR, typename B>
