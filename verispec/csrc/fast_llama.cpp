@@ -184,15 +184,16 @@ inline void tile(const float* x, int64_t ldx, const WT* w, int64_t K, int64_t rs
     for (int i = 0; i < MR; ++i) {
       const __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
 #pragma GCC unroll 4
-      for (int j = 0; j < NR; ++j)  // xv loaded once for its NR products (fma_reg, below the loop)
+      // xv loaded once for its NR products (`fma_reg`). With the intrinsic GCC folded each input
+      // load into every multiply-add that used it: a 6 x 2 pass loaded 14 vectors per 12
+      // multiply-adds, more than a Zen 3 core's load ports take in the 6 cycles those need.
+      // Measured there (session 26, /tmp/s26/mb3.py: SmolLM2's 120 layer matrices, 2 threads, two
+      // builds alternating, min / median of 10, ms): 64 rows 117.1 / 121.6 -> 106.7 / 109.6, 128
+      // rows 237.9 / 240.0 -> 216.3 / 221.2 (63 GMAC/s), 16 rows 33.8 / 34.4 -> 32.4 / 34.3.
+      for (int j = 0; j < NR; ++j)
         acc[i][j] = NR > 1 ? fma_reg(xv, wv[j], acc[i][j]) : _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
     }
   }
-  // With the intrinsic GCC folded each input load into every multiply-add that used it: a 6 x 2
-  // pass loaded 14 vectors per 12 multiply-adds, more than a Zen 3 core's load ports take in the 6
-  // cycles those need. Measured there (session 26, /tmp/s26/mb3.py: SmolLM2's 120 layer matrices,
-  // 2 threads, two builds alternating, min / median of 10, ms): 64 rows 117.1 / 121.6 -> 106.7 /
-  // 109.6, 128 rows 237.9 / 240.0 -> 216.3 / 221.2 (63 GMAC/s), 16 rows 33.8 / 34.4 -> 32.4 / 34.3.
   for (int i = 0; i < MR; ++i) {
     for (int j = 0; j < NR; ++j) {
       float s = hsum(acc[i][j]);
@@ -932,12 +933,6 @@ struct Grouped {
   int64_t nb;        // blocks per row
   int64_t N;         // rows
   int64_t row0;      // the first row of this view
-  inline const uint8_t* codes(int64_t j, int64_t b, const float** scales) const {
-    const int64_t r = row0 + j, g = r >> 3, rows = std::min<int64_t>(8, N - 8 * g);
-    const uint8_t* base = p + (g * 8 * nb + b * rows) * (CB + SB);
-    *scales = reinterpret_cast<const float*>(base + rows * CB + (r & 7) * SB);
-    return base + (r & 7) * CB;
-  }
   // Block 0 of this view's first row: its codes and scales, and the bytes from one block to the
   // next. Row row0 + j of the same group (j < 8 - row0 % 8) has its codes j * CB bytes on and its
   // scales j * SB bytes on.
@@ -950,6 +945,12 @@ struct Grouped {
     const int64_t g = row0 >> 3, rows = std::min<int64_t>(8, N - 8 * g);
     const uint8_t* base = p + g * 8 * nb * (CB + SB);
     return {base + (row0 & 7) * CB, base + rows * CB + (row0 & 7) * SB, rows * (CB + SB)};
+  }
+  // Row row0 + j's codes of block b, and (in *scales) its scales.
+  inline const uint8_t* codes(int64_t j, int64_t b, const float** scales) const {
+    const Walk at = Grouped{p, nb, N, row0 + j}.walk();
+    *scales = reinterpret_cast<const float*>(at.scales + b * at.step);
+    return at.codes + b * at.step;
   }
 };
 
@@ -1020,7 +1021,10 @@ struct Q8Blocks : Grouped<32, 4> {  // the 8-bit blocks of a matrix
 //   chains, where 2 weight rows left one row's step waiting on the multiply-add's latency).
 // - 4 or more: one chunk of all NR (2) weight rows at a time, each input vector loaded once for NR
 //   products; as memory operands its loads outnumbered what the load ports take.
-// - The group's first tile prefetches the whole group's block kBlockPrefetchBytes ahead.
+// - `pf` (bytes, 0: none): prefetch the whole group's block that far ahead. `linear_blocks` asks it
+//   of a group's first tile (kBlockPrefetchBytes) in every pass, not only the first as `linear`
+//   does: a later pass's prefetches run ahead into the next groups (8 tokens, two passes of 4,
+//   22.7 ms with them, 24.7 without; min of 20, same build otherwise).
 // Measured on a 2-core Zen 3 EPYC (AVX2 only, session 26), SmolLM2-135M's greedy step at 200 cached
 // tokens, two builds over the same weights in one process (/tmp/s26/ab.py), min / median of 25-30,
 // ms. Against the tile before (a whole block of 2 weight rows widened, then all MR rows): 1 token
@@ -1033,20 +1037,19 @@ constexpr int64_t kBlockPrefetchBytes = 4096;
 
 template <int MR, int NR, typename B>
 inline void tile_blocks(const float* x, int64_t ldx, const B& blocks, const float* bias, float* y,
-                        int64_t ldy, bool accumulate) {
+                        int64_t ldy, bool accumulate, int64_t pf) {
   __m256 acc[MR][NR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
   auto at = blocks.walk();
-  const bool lead = (blocks.row0 & 7) == 0;  // a group's first tile prefetches for all of it
   for (int64_t b = 0; b < blocks.nb; ++b, at.codes += at.step, at.scales += at.step) {
     const auto scales = [&](int j) { return reinterpret_cast<const float*>(at.scales + j * B::kScaleBytes); };
     const auto input = [&](int i, int c) { return x + i * ldx + b * 32 + 8 * c; };
-    if (lead)
+    if (pf != 0)
       for (int64_t o = 0; o < at.step; o += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(at.codes + kBlockPrefetchBytes + o), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(at.codes + pf + o), _MM_HINT_T0);
     if constexpr (MR <= 3) {
 #pragma GCC unroll 8
       for (int j = 0; j < NR; ++j)
@@ -1157,13 +1160,17 @@ void linear_blocks(const float* x, int64_t M, int64_t ldx, const B& blocks, int6
                         ldy, accumulate);
 #else
       constexpr int NR = blocks_rows(MR);
-      int64_t j = n0;
-      for (; j + NR <= n0 + nr; j += NR)
-        tile_blocks<MR, NR>(x + m * ldx, ldx, blocks.rows(j), bias ? bias + j : nullptr, y + m * ldy + j, ldy,
-                            accumulate);
-      for (; j < n0 + nr; j += 2)
-        tile_blocks<MR, 2>(x + m * ldx, ldx, blocks.rows(j), bias ? bias + j : nullptr, y + m * ldy + j, ldy,
-                           accumulate);
+      for (int64_t j = n0; j < n0 + nr;) {
+        const float* bj = bias ? bias + j : nullptr;
+        const int64_t pf = j == n0 ? kBlockPrefetchBytes : 0;  // for the whole group, every pass
+        if (j + NR <= n0 + nr) {
+          tile_blocks<MR, NR>(x + m * ldx, ldx, blocks.rows(j), bj, y + m * ldy + j, ldy, accumulate, pf);
+          j += NR;
+        } else {  // a group of fewer than 8 rows
+          tile_blocks<MR, 2>(x + m * ldx, ldx, blocks.rows(j), bj, y + m * ldy + j, ldy, accumulate, pf);
+          j += 2;
+        }
+      }
 #endif
     });
   }, kBlockMostRows);
