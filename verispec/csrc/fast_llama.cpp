@@ -206,6 +206,61 @@ inline void tile(const float* x, int64_t ldx, const WT* w, int64_t K, int64_t rs
   }
 }
 
+// `tile<6, 2>` over one pair of float32 weight rows (rs = 8, kp = 2) without a prefetch, its loop
+// written as one inline-assembly block: 12 accumulators, the pair's two vectors and one input
+// vector in exactly 15 ymm registers. GCC's allocation of the same loop kept one accumulator in a
+// register it then needed for a weight, and moved it out and back every step (2 moves per 12
+// multiply-adds). Each element's multiply-adds are `tile`'s, in the same order, and its end is
+// `tile`'s (hsum, finish_dot), so the outputs are bitwise the same. Measured on the 2-core Zen 3
+// EPYC (session 27, /tmp/s27/mb.cpp: one layer's shapes, 128 rows, 30 copies of the weights, 2
+// threads, min of 7): 61.9 -> 67.3 GMAC/s with blocks of 8 weight rows, 64.4 -> 71.4 with blocks
+// of 48 (`kComputeBlockRows`). SmolLM2-135M's float32 prompts on the kernel, both changes, two
+// builds over one copy of the weights alternating (/tmp/s27/ab.py, min / median of 8, ms): 128
+// tokens 227.3 / 230.1 -> 196.9 / 204.5 and, in a second run, 226.3 / 232.4 -> 185.9 / 188.7; 288
+// tokens 518.6 / 527.3 -> 459.6 / 467.8 and 529.3 / 542.0 -> 438.9 / 450.6. Splitting K = 1536
+// into 3 chunks, the accumulators kept between them, so that 6 input rows fit in L1: 450 against
+// 439 ms at 288 tokens, dropped.
+inline void tile_pair6(const float* x, int64_t ldx, const float* w, int64_t K, const float* scale,
+                       const float* bias, float* y, int64_t ldy, bool accumulate) {
+  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
+  __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+  const float* x0 = x;            // input rows 0-2 at x0, x0 + ldx, x0 + 2 ldx
+  const float* x3 = x + 3 * ldx;  // rows 3-5
+  const int64_t stride = ldx * static_cast<int64_t>(sizeof(float));
+  const float* end = x + (K - K % 8);
+  for (const float* wp = w; x0 < end; x0 += 8, x3 += 8, wp += 16) {
+    // ymm13 / ymm14: the pair's 8 weights of this step for rows 0 / 1; ymm15: one input row's 8.
+    asm("vmovups (%[w]), %%ymm13\n\t"
+        "vmovups 32(%[w]), %%ymm14\n\t"
+        "vmovups (%[x0]), %%ymm15\n\t"
+        "vfmadd231ps %%ymm13, %%ymm15, %[a00]\n\t"
+        "vfmadd231ps %%ymm14, %%ymm15, %[a01]\n\t"
+        "vmovups (%[x0],%[s],1), %%ymm15\n\t"
+        "vfmadd231ps %%ymm13, %%ymm15, %[a10]\n\t"
+        "vfmadd231ps %%ymm14, %%ymm15, %[a11]\n\t"
+        "vmovups (%[x0],%[s],2), %%ymm15\n\t"
+        "vfmadd231ps %%ymm13, %%ymm15, %[a20]\n\t"
+        "vfmadd231ps %%ymm14, %%ymm15, %[a21]\n\t"
+        "vmovups (%[x3]), %%ymm15\n\t"
+        "vfmadd231ps %%ymm13, %%ymm15, %[a30]\n\t"
+        "vfmadd231ps %%ymm14, %%ymm15, %[a31]\n\t"
+        "vmovups (%[x3],%[s],1), %%ymm15\n\t"
+        "vfmadd231ps %%ymm13, %%ymm15, %[a40]\n\t"
+        "vfmadd231ps %%ymm14, %%ymm15, %[a41]\n\t"
+        "vmovups (%[x3],%[s],2), %%ymm15\n\t"
+        "vfmadd231ps %%ymm13, %%ymm15, %[a50]\n\t"
+        "vfmadd231ps %%ymm14, %%ymm15, %[a51]"
+        : [a00] "+x"(a00), [a01] "+x"(a01), [a10] "+x"(a10), [a11] "+x"(a11), [a20] "+x"(a20),
+          [a21] "+x"(a21), [a30] "+x"(a30), [a31] "+x"(a31), [a40] "+x"(a40), [a41] "+x"(a41),
+          [a50] "+x"(a50), [a51] "+x"(a51)
+        : [w] "r"(wp), [x0] "r"(x0), [x3] "r"(x3), [s] "r"(stride)
+        : "memory", "xmm13", "xmm14", "xmm15");
+  }
+  const __m256 acc[6][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}, {a40, a41}, {a50, a51}};
+  for (int i = 0; i < 6; ++i)
+    for (int j = 0; j < 2; ++j) finish_dot(hsum(acc[i][j]), scale, bias, j, y + i * ldy + j, accumulate);
+}
+
 // f(std::integral_constant<int, R>{}) for R = min(mr, MAX), mr >= 1: a pass's row count as a
 // compile-time constant, for tiles templated on it.
 template <int MAX, int R = 1, typename F>
@@ -723,9 +778,17 @@ inline void tile_rows(const float* x, int64_t ldx, const WT* w, int64_t K, int64
                    y + j, ldy, acc, pf);
     }
 #endif
-    for (; j + 2 <= nr; j += 2)
+    for (; j + 2 <= nr; j += 2) {
+      if constexpr (MR == 6 && std::is_same_v<WT, float>) {
+        if (pf == 0) {  // passes after a block's first (`for_each_pass`)
+          tile_pair6(x, ldx, w + j * K, K, scale ? scale + j : nullptr, bias ? bias + j : nullptr,
+                     y + j, ldy, acc);
+          continue;
+        }
+      }
       tile<MR, 2>(x, ldx, w + j * K, K, kPairChunk<WT>, 2, scale ? scale + j : nullptr,
                   bias ? bias + j : nullptr, y + j, ldy, acc, pf);
+    }
     return;
   }
   // MR x 2 (MR >= 3) or MR x 4 tiles: 6-12 accumulators + weight and input vectors fit in the
@@ -775,7 +838,6 @@ inline void tile_any(int64_t mr, const float* x, int64_t ldx, const WT* w, int64
 // row at most 16 tokens, `FastLlama.kernel_max_tokens`).
 constexpr int64_t kWideMostRows = 12;
 constexpr int64_t kComputeRows = 6;
-constexpr int64_t kComputeFrom = 16;
 
 template <int MR, int NP>
 inline void tile_rows_wide(const float* x, int64_t ldx, const float* w, int64_t K, int64_t nr,
@@ -811,6 +873,12 @@ inline void tile_any_wide(int64_t mr, const float* x, int64_t ldx, const float* 
 }
 #endif
 
+// Calls of more than this many rows are prompts, in pieces (`FastLlama.kernel_prefill_piece`),
+// bound by the arithmetic rather than by reading the weights: the 512-bit float32 tiles take them
+// in passes of kComputeRows rows, the 256-bit ones in blocks of kComputeBlockRows weight rows.
+constexpr int64_t kComputeFrom = 16;
+constexpr int64_t kComputeBlockRows = 48;
+
 // Prefetch distance in bytes (about 1-2 blocks of rows ahead). Measured on the 2-core EPYC, all
 // SmolLM2 matrices, 1 / 5 input rows, min of 13 interleaved rounds: float32 37 KB 19.1 / 19.0 ms,
 // 74 KB 19.0 / 19.6; bfloat16 18 KB 11.5 / 19.1, 74 KB 13.0 / 20.6; int8 9 KB 9.0 / 14.9, 18 KB
@@ -823,12 +891,12 @@ constexpr int64_t kPrefetchBytes = 24 * 1024;
 // split evenly (with 6: 9 = 5 + 4, not 6 + 3: fewer passes means fewer weight loads per multiply;
 // the split never changes any element's arithmetic), and only the first pass prefetches, later
 // ones find the block in L1/L2. `pass(m, mr, n0, nr, first)` computes input rows m .. m+mr against
-// weight rows n0 .. n0+nr.
+// weight rows n0 .. n0+nr. `NB` (a multiple of 8) replaces the 8 rows of a block; threads take at
+// least 128 rows each.
 template <typename Pass>
-void for_each_pass(int64_t M, int64_t N, const Pass& pass, int64_t most = 6) {
-  constexpr int64_t NB = 8;
+void for_each_pass(int64_t M, int64_t N, const Pass& pass, int64_t most = 6, int64_t NB = 8) {
   const int64_t nblocks = (N + NB - 1) / NB;
-  at::parallel_for(0, nblocks, 16, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, nblocks, std::max<int64_t>(1, 128 / NB), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * NB;
       const int64_t nr = std::min(NB, N - n0);
@@ -897,11 +965,16 @@ void linear(const float* x, int64_t M, int64_t ldx, const WT* w, int64_t N, int6
       }
     }
 #endif
+    // Paired float32 calls of more than kComputeFrom rows (prompts, in pieces) are bound by the
+    // arithmetic: their passes meet blocks of kComputeBlockRows weight rows, which stay in L2 while
+    // every pass's 6 input rows stay in L1 (blocks of 8 rows and 6 input rows filled L1, 32 KB on
+    // Zen 3, with K = 576). Measured with `tile_pair6` (its comment): 67.3 -> 71.4 GMAC/s.
+    const bool compute = std::is_same_v<WT, float> && paired && M > kComputeFrom;
     for_each_pass(M, N, [&](int64_t m, int64_t mr, int64_t n0, int64_t nr, bool first) {
       tile_any(mr, x + m * ldx, ldx, w + n0 * K, K, nr, scale ? scale + n0 : nullptr,
                bias ? bias + n0 : nullptr, y + m * ldy + n0, ldy, accumulate, first ? pf : 0,
                paired, sched.two_pair_rows_float);
-    });
+    }, 6, compute ? kComputeBlockRows : 8);
   }
 }
 
@@ -917,7 +990,11 @@ void linear(const float* x, int64_t M, int64_t ldx, const WT* w, int64_t N, int6
 //   in float32 (11 + 8 bits): 32 bytes of codes and d as float32, 9 bits per weight (SmolLM2's
 //   embedding, which is its output head).
 //
-// Both are laid out in groups of 8 rows (`Grouped`).
+// Both are laid out in groups of 8 rows (`Grouped`). Holding Q4_1's (d, m) as the float16 values
+// they are (5 bits a weight instead of 6), widened once per block and tile, was slower on a 2-core
+// Zen 3 EPYC (session 27, greedy step at 200 cached tokens, min of 20 alternating, ms: 1 token
+// 6.67 -> 6.93, 5 tokens 14.37 -> 16.24): there the step is bound by widening the blocks, not by
+// reading them.
 // Each output runs `tile`'s chain (8 lanes over K in steps of 8, hsum, no tail, finish_dot), so it
 // is bitwise the float32 path's. FastLlama checks every block at load (`_q4_blocks`,
 // `_q8_blocks`) and the tests compare outputs bitwise.
