@@ -273,3 +273,22 @@ def test_apply_blocks_keeps_the_default_where_untimed_and_obeys_the_environment(
         monkeypatch.setenv(schedule.BLOCKS_ENV, bad)
         with pytest.raises(ConfigError, match="VERISPEC_BLOCK_ROWS"):
             schedule.apply_blocks(model)
+
+
+def _cpuinfo(family: int, model: int, flags: str) -> str:
+    """A two-processor ``/proc/cpuinfo`` under the bare name virtual machines often report."""
+    lines = ["model name\t: AMD EPYC", f"cpu family\t: {family}", f"model\t: {model}", f"flags\t: {flags}"]
+    return "".join(f"processor\t: {n}\n" + "\n".join(lines) + "\n\n" for n in range(2))
+
+
+def test_cpu_name_tells_apart_cpus_that_share_a_model_name() -> None:
+    """Cached crossings are keyed by ``cpu_name``: a Zen 3 without AVX-512 and a Zen 5 with it, both
+    reported as "AMD EPYC", must not share them."""
+    from unittest.mock import mock_open, patch
+
+    with patch("builtins.open", mock_open(read_data=_cpuinfo(25, 1, "fpu sse avx2 fma"))):
+        zen3 = schedule.cpu_name()
+    with patch("builtins.open", mock_open(read_data=_cpuinfo(26, 2, "fpu avx2 avx512f avx512_vnni"))):
+        zen5 = schedule.cpu_name()
+    assert zen3 == "AMD EPYC (family 25, model 1; avx2)"
+    assert zen5 == "AMD EPYC (family 26, model 2; avx2+avx512f+avx512_vnni)"

@@ -99,18 +99,36 @@ MIN_TUNED_BYTES = 64 * 2**20
 schedules differ by little, and tests build many tiny models."""
 
 
+CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
+"""The instruction sets that change which kernel tiles run, named in :func:`cpu_name`."""
+
+
 def cpu_name() -> str:
-    """The CPU's model name from ``/proc/cpuinfo`` (else what ``platform`` knows)."""
+    """The CPU's model name from ``/proc/cpuinfo`` with its family, model and the instruction sets
+    of :data:`CPU_FEATURES` it has, e.g. ``AMD EPYC (family 25, model 1; avx2)`` (else what
+    ``platform`` knows).
+
+    Virtual machines often report a bare name: the 2-core "AMD EPYC" machines of sessions 24-27
+    were a Zen 5 with AVX-512 and a Zen 3 without it under that one name, and a cache keyed by the
+    name alone handed one machine's measured crossings to the other."""
     import platform
 
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break  # the first processor is enough
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    name = fields.get("model name")
+    if not name:
+        return platform.processor() or platform.machine()
+    flags = set(fields.get("flags", "").split())
+    isa = "+".join(f for f in CPU_FEATURES if f in flags) or "no avx2"
+    return f"{name} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')}; {isa})"
 
 
 def faster(seconds: dict[str, list[float]], margin: float = 0.03) -> str:
