@@ -67,7 +67,7 @@ where the two paths are close (160 until session 17, when float32 crossed near 4
 PREFILL_LONG = 1024
 """The third length :func:`measure_crossing` times when the kernel still leads at the longest of
 :data:`PREFILL_SIZES` and the lines meet past it (at most the model's ``max_length``)."""
-PREFILL_KEY = "prefill-v8|"
+PREFILL_KEY = "prefill-v9|"
 """Prefix of the cached crossings' keys, changed whenever either path's cost changes so that every
 machine measures again. v3 (session 17): the torch path copies paired matrices in the kernel
 (SmolLM2-135M's layers, float32 62-69 -> 43-49 ms, int8 to bfloat16 37-51 -> 18-20 ms), and the
@@ -80,7 +80,8 @@ than 12 rows are tiled for the arithmetic and the kernel takes prompts in pieces
 float32 tiles load each input vector once for all their weight rows (the layer matrices at 64-128
 rows on a Zen 3 EPYC without AVX-512, 9% faster). v8 (session 27): their 6-row pair tile in inline
 assembly, and passes over blocks of 48 weight rows (there, a 128-token prompt piece 227 -> 186-197
-ms, 288 tokens 519-529 -> 439-460)."""
+ms, 288 tokens 519-529 -> 439-460). v9 (session 27): the int8 pair tiles of 2-6 rows in inline
+assembly on CPUs without AVX-512 (there, a 128-token int8 prompt 264 -> 181 ms)."""
 PREFILL_LIMITS = (16, 2 * PREFILL_LONG)
 """The crossing :func:`prefill_crossing` returns lies in this range: below the kernel's own call
 size a prompt is one kernel call anyway, and far past the measured lengths (at most twice the
