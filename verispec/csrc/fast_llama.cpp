@@ -853,7 +853,8 @@ inline void tile2p_z(const float* x, int64_t ldx, const float* w, int64_t K, con
 }
 #endif
 
-// Rows m0 .. m0+MR of the input against weight rows n0 .. n0+nr (nr <= 4).
+// Rows m0 .. m0+MR of the input against weight rows n0 .. n0+nr (a block of `for_each_pass`: 8
+// rows, or kComputeBlockRows; nr even where the weights are paired).
 template <int MR, typename WT>
 inline void tile_rows(const float* x, int64_t ldx, const WT* w, int64_t K, int64_t nr,
                       const float* scale, const float* bias, float* y, int64_t ldy, bool acc,
