@@ -206,60 +206,58 @@ inline void tile(const float* x, int64_t ldx, const WT* w, int64_t K, int64_t rs
   }
 }
 
-// `tile<6, 2>` over one pair of float32 weight rows (rs = 8, kp = 2) without a prefetch, its loop
-// written as one inline-assembly block: 12 accumulators, the pair's two vectors and one input
-// vector in exactly 15 ymm registers. GCC's allocation of the same loop kept one accumulator in a
+// The 2 x MR accumulators of a pair tile written as one inline-assembly block per step (a00, a01
+// for input row 0, ...): their output operands (VS_ACC_MR), and each input row's address from
+// x0 (rows 0-2) and x3 (rows 3-5) with the row stride s in bytes (VS_ROW_i). GCC's allocation of
+// such loops moves accumulators between registers or to the stack; in one asm block they stay put.
+#define VS_ACC_2 [a00] "+x"(a00), [a01] "+x"(a01), [a10] "+x"(a10), [a11] "+x"(a11)
+#define VS_ACC_3 VS_ACC_2, [a20] "+x"(a20), [a21] "+x"(a21)
+#define VS_ACC_4 VS_ACC_3, [a30] "+x"(a30), [a31] "+x"(a31)
+#define VS_ACC_5 VS_ACC_4, [a40] "+x"(a40), [a41] "+x"(a41)
+#define VS_ACC_6 VS_ACC_5, [a50] "+x"(a50), [a51] "+x"(a51)
+#define VS_ROWS_2(ROW) ROW("(%[x0])", "a00", "a01") ROW("(%[x0],%[s],1)", "a10", "a11")
+#define VS_ROWS_3(ROW) VS_ROWS_2(ROW) ROW("(%[x0],%[s],2)", "a20", "a21")
+#define VS_ROWS_4(ROW) VS_ROWS_3(ROW) ROW("(%[x3])", "a30", "a31")
+#define VS_ROWS_5(ROW) VS_ROWS_4(ROW) ROW("(%[x3],%[s],1)", "a40", "a41")
+#define VS_ROWS_6(ROW) VS_ROWS_5(ROW) ROW("(%[x3],%[s],2)", "a50", "a51")
+#define VS_PAIR_IN [w] "r"(wp), [x0] "r"(x0), [x3] "r"(x3), [s] "r"(stride)
+
+// `tile<6, 2>` over one pair of float32 weight rows (rs = 8, kp = 2), its loop one inline-assembly
+// block a step: 12 accumulators, the pair's two vectors (ymm13, ymm14) and one input vector
+// (ymm15) in exactly 15 ymm registers. GCC's allocation of the same loop kept one accumulator in a
 // register it then needed for a weight, and moved it out and back every step (2 moves per 12
 // multiply-adds). Each element's multiply-adds are `tile`'s, in the same order, and its end is
-// `tile`'s (hsum, finish_dot), so the outputs are bitwise the same. Measured on the 2-core Zen 3
-// EPYC (session 27, /tmp/s27/mb.cpp: one layer's shapes, 128 rows, 30 copies of the weights, 2
-// threads, min of 7): 61.9 -> 67.3 GMAC/s with blocks of 8 weight rows, 64.4 -> 71.4 with blocks
-// of 48 (`kComputeBlockRows`). SmolLM2-135M's float32 prompts on the kernel, both changes, two
-// builds over one copy of the weights alternating (/tmp/s27/ab.py, min / median of 8, ms): 128
-// tokens 227.3 / 230.1 -> 196.9 / 204.5 and, in a second run, 226.3 / 232.4 -> 185.9 / 188.7; 288
-// tokens 518.6 / 527.3 -> 459.6 / 467.8 and 529.3 / 542.0 -> 438.9 / 450.6. Splitting K = 1536
-// into 3 chunks, the accumulators kept between them, so that 6 input rows fit in L1: 450 against
-// 439 ms at 288 tokens, dropped.
+// `tile`'s (hsum, finish_dot), so the outputs are bitwise the same; `pf` as in `tile` (each step
+// reads one 64-byte line of the pair). Measured on the 2-core Zen 3 EPYC (session 27,
+// /tmp/s27/mb.cpp: one layer's shapes, 128 rows, 30 copies of the weights, 2 threads, min of 7):
+// 61.9 -> 67.3 GMAC/s with blocks of 8 weight rows, 64.4 -> 71.4 with blocks of 48
+// (`kComputeBlockRows`). SmolLM2-135M's float32 prompts on the kernel, both changes, two builds
+// over one copy of the weights alternating (/tmp/s27/ab.py, min / median of 8, ms): 128 tokens
+// 227.3 / 230.1 -> 196.9 / 204.5 and, in a second run, 226.3 / 232.4 -> 185.9 / 188.7; 288 tokens
+// 518.6 / 527.3 -> 459.6 / 467.8 and 529.3 / 542.0 -> 438.9 / 450.6. Splitting K = 1536 into 3
+// chunks, the accumulators kept between them, so that 6 input rows fit in L1: 450 against 439 ms
+// at 288 tokens, dropped.
+#define VS_F_ROW(addr, a0, a1)                                                              \
+  "vmovups " addr ", %%ymm15\n\t"                                                           \
+  "vfmadd231ps %%ymm13, %%ymm15, %[" a0 "]\n\tvfmadd231ps %%ymm14, %%ymm15, %[" a1 "]\n\t"
 inline void tile_pair6(const float* x, int64_t ldx, const float* w, int64_t K, const float* scale,
-                       const float* bias, float* y, int64_t ldy, bool accumulate) {
+                       const float* bias, float* y, int64_t ldy, bool accumulate, int64_t pf) {
   __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
   __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
-  const float* x0 = x;            // input rows 0-2 at x0, x0 + ldx, x0 + 2 ldx
-  const float* x3 = x + 3 * ldx;  // rows 3-5
   const int64_t stride = ldx * static_cast<int64_t>(sizeof(float));
-  const float* end = x + (K - K % 8);
-  for (const float* wp = w; x0 < end; x0 += 8, x3 += 8, wp += 16) {
-    // ymm13 / ymm14: the pair's 8 weights of this step for rows 0 / 1; ymm15: one input row's 8.
-    asm("vmovups (%[w]), %%ymm13\n\t"
-        "vmovups 32(%[w]), %%ymm14\n\t"
-        "vmovups (%[x0]), %%ymm15\n\t"
-        "vfmadd231ps %%ymm13, %%ymm15, %[a00]\n\t"
-        "vfmadd231ps %%ymm14, %%ymm15, %[a01]\n\t"
-        "vmovups (%[x0],%[s],1), %%ymm15\n\t"
-        "vfmadd231ps %%ymm13, %%ymm15, %[a10]\n\t"
-        "vfmadd231ps %%ymm14, %%ymm15, %[a11]\n\t"
-        "vmovups (%[x0],%[s],2), %%ymm15\n\t"
-        "vfmadd231ps %%ymm13, %%ymm15, %[a20]\n\t"
-        "vfmadd231ps %%ymm14, %%ymm15, %[a21]\n\t"
-        "vmovups (%[x3]), %%ymm15\n\t"
-        "vfmadd231ps %%ymm13, %%ymm15, %[a30]\n\t"
-        "vfmadd231ps %%ymm14, %%ymm15, %[a31]\n\t"
-        "vmovups (%[x3],%[s],1), %%ymm15\n\t"
-        "vfmadd231ps %%ymm13, %%ymm15, %[a40]\n\t"
-        "vfmadd231ps %%ymm14, %%ymm15, %[a41]\n\t"
-        "vmovups (%[x3],%[s],2), %%ymm15\n\t"
-        "vfmadd231ps %%ymm13, %%ymm15, %[a50]\n\t"
-        "vfmadd231ps %%ymm14, %%ymm15, %[a51]"
-        : [a00] "+x"(a00), [a01] "+x"(a01), [a10] "+x"(a10), [a11] "+x"(a11), [a20] "+x"(a20),
-          [a21] "+x"(a21), [a30] "+x"(a30), [a31] "+x"(a31), [a40] "+x"(a40), [a41] "+x"(a41),
-          [a50] "+x"(a50), [a51] "+x"(a51)
-        : [w] "r"(wp), [x0] "r"(x0), [x3] "r"(x3), [s] "r"(stride)
-        : "memory", "xmm13", "xmm14", "xmm15");
+  for (int64_t k = 0; k + 8 <= K; k += 8) {
+    const float* wp = w + 2 * k;
+    const float* x0 = x + k;
+    const float* x3 = x + 3 * ldx + k;
+    if (pf != 0) _mm_prefetch(reinterpret_cast<const char*>(wp + pf), _MM_HINT_T1);
+    asm("vmovups (%[w]), %%ymm13\n\tvmovups 32(%[w]), %%ymm14\n\t" VS_ROWS_6(VS_F_ROW)
+        : VS_ACC_6 : VS_PAIR_IN : "memory", "xmm13", "xmm14", "xmm15");
   }
   const __m256 acc[6][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}, {a40, a41}, {a50, a51}};
   for (int i = 0; i < 6; ++i)
     for (int j = 0; j < 2; ++j) finish_dot(hsum(acc[i][j]), scale, bias, j, y + i * ldy + j, accumulate);
 }
+#undef VS_F_ROW
 
 // f(std::integral_constant<int, R>{}) for R = min(mr, MAX), mr >= 1: a pass's row count as a
 // compile-time constant, for tiles templated on it.
@@ -349,7 +347,7 @@ inline void tile_q(const int16_t* x, int64_t ldx, const float* xs, const i8* w, 
 
 #if !defined(__AVX512VL__)
 // `tile_q<MR, 2>` over one pair of int8 weight rows (rs = 16, kp = 2) for 2 to 6 input rows, its
-// loop written as one inline-assembly block per step of 16: the MR x 2 accumulators in ymm0-11, the
+// loop one inline-assembly block per step of 16 (`VS_ACC_2`): the MR x 2 accumulators in ymm0-11, the
 // pair's 16 codes of each row widened to int16 in ymm12 / ymm13, an input vector in ymm14 and a
 // product in ymm15. For the intrinsics GCC kept four of a 5 x 2 tile's accumulators on the stack,
 // moved the others between registers, and loaded each input vector twice. The integer sums are
@@ -359,13 +357,13 @@ inline void tile_q(const int16_t* x, int64_t ldx, const float* xs, const i8* w, 
 // -> 89.4 / 91.9 (min of 8); greedy steps at 200 cached tokens (min of 8) 5 tokens 14.2 / 14.5 ->
 // 10.7 / 11.0, 1 token (one input row: `tile_q`) 6.0 / 6.3 -> 5.9 / 6.1. The float32 head's int8
 // screen over 5 tokens took the same time with either (bound by reading its 28 MB).
-#define VS_Q_WEIGHTS "vpmovsxbw (%[w]), %%ymm12\n\tvpmovsxbw 16(%[w]), %%ymm13\n\t"
 #define VS_Q_ROW(addr, a0, a1)                                                            \
   "vmovdqu " addr ", %%ymm14\n\t"                                                         \
   "vpmaddwd %%ymm12, %%ymm14, %%ymm15\n\tvpaddd %%ymm15, %[" a0 "], %[" a0 "]\n\t"         \
   "vpmaddwd %%ymm13, %%ymm14, %%ymm15\n\tvpaddd %%ymm15, %[" a1 "], %[" a1 "]\n\t"
-#define VS_Q_IN [w] "r"(wp), [x0] "r"(x0), [x3] "r"(x3), [s] "r"(stride)
-#define VS_Q_CLOBBERS "memory", "xmm12", "xmm13", "xmm14", "xmm15"
+#define VS_Q_STEP(ROWS, ACC)                                                               \
+  asm("vpmovsxbw (%[w]), %%ymm12\n\tvpmovsxbw 16(%[w]), %%ymm13\n\t" ROWS(VS_Q_ROW)      \
+      : ACC : VS_PAIR_IN : "memory", "xmm12", "xmm13", "xmm14", "xmm15")
 template <int MR>
 inline void tile_q_pair(const int16_t* x, int64_t ldx, const float* xs, const i8* w, int64_t K,
                         const float* scale, const float* bias, float* y, int64_t ldy, bool accumulate,
@@ -384,38 +382,11 @@ inline void tile_q_pair(const int16_t* x, int64_t ldx, const float* xs, const i8
       const int16_t* x3 = x + 3 * ldx + k;  // rows 3-5 (read only when MR > 3)
       if (pf != 0 && (2 * k) % kLine<i8> == 0)
         _mm_prefetch(reinterpret_cast<const char*>(wp + pf), _MM_HINT_T1);
-      if constexpr (MR == 2) {
-        asm(VS_Q_WEIGHTS VS_Q_ROW("(%[x0])", "a00", "a01") VS_Q_ROW("(%[x0],%[s],1)", "a10", "a11")
-            : [a00] "+x"(a00), [a01] "+x"(a01), [a10] "+x"(a10), [a11] "+x"(a11)
-            : VS_Q_IN : VS_Q_CLOBBERS);
-      } else if constexpr (MR == 3) {
-        asm(VS_Q_WEIGHTS VS_Q_ROW("(%[x0])", "a00", "a01") VS_Q_ROW("(%[x0],%[s],1)", "a10", "a11")
-                VS_Q_ROW("(%[x0],%[s],2)", "a20", "a21")
-            : [a00] "+x"(a00), [a01] "+x"(a01), [a10] "+x"(a10), [a11] "+x"(a11), [a20] "+x"(a20),
-              [a21] "+x"(a21)
-            : VS_Q_IN : VS_Q_CLOBBERS);
-      } else if constexpr (MR == 4) {
-        asm(VS_Q_WEIGHTS VS_Q_ROW("(%[x0])", "a00", "a01") VS_Q_ROW("(%[x0],%[s],1)", "a10", "a11")
-                VS_Q_ROW("(%[x0],%[s],2)", "a20", "a21") VS_Q_ROW("(%[x3])", "a30", "a31")
-            : [a00] "+x"(a00), [a01] "+x"(a01), [a10] "+x"(a10), [a11] "+x"(a11), [a20] "+x"(a20),
-              [a21] "+x"(a21), [a30] "+x"(a30), [a31] "+x"(a31)
-            : VS_Q_IN : VS_Q_CLOBBERS);
-      } else if constexpr (MR == 5) {
-        asm(VS_Q_WEIGHTS VS_Q_ROW("(%[x0])", "a00", "a01") VS_Q_ROW("(%[x0],%[s],1)", "a10", "a11")
-                VS_Q_ROW("(%[x0],%[s],2)", "a20", "a21") VS_Q_ROW("(%[x3])", "a30", "a31")
-                    VS_Q_ROW("(%[x3],%[s],1)", "a40", "a41")
-            : [a00] "+x"(a00), [a01] "+x"(a01), [a10] "+x"(a10), [a11] "+x"(a11), [a20] "+x"(a20),
-              [a21] "+x"(a21), [a30] "+x"(a30), [a31] "+x"(a31), [a40] "+x"(a40), [a41] "+x"(a41)
-            : VS_Q_IN : VS_Q_CLOBBERS);
-      } else {
-        asm(VS_Q_WEIGHTS VS_Q_ROW("(%[x0])", "a00", "a01") VS_Q_ROW("(%[x0],%[s],1)", "a10", "a11")
-                VS_Q_ROW("(%[x0],%[s],2)", "a20", "a21") VS_Q_ROW("(%[x3])", "a30", "a31")
-                    VS_Q_ROW("(%[x3],%[s],1)", "a40", "a41") VS_Q_ROW("(%[x3],%[s],2)", "a50", "a51")
-            : [a00] "+x"(a00), [a01] "+x"(a01), [a10] "+x"(a10), [a11] "+x"(a11), [a20] "+x"(a20),
-              [a21] "+x"(a21), [a30] "+x"(a30), [a31] "+x"(a31), [a40] "+x"(a40), [a41] "+x"(a41),
-              [a50] "+x"(a50), [a51] "+x"(a51)
-            : VS_Q_IN : VS_Q_CLOBBERS);
-      }
+      if constexpr (MR == 2) VS_Q_STEP(VS_ROWS_2, VS_ACC_2);
+      else if constexpr (MR == 3) VS_Q_STEP(VS_ROWS_3, VS_ACC_3);
+      else if constexpr (MR == 4) VS_Q_STEP(VS_ROWS_4, VS_ACC_4);
+      else if constexpr (MR == 5) VS_Q_STEP(VS_ROWS_5, VS_ACC_5);
+      else VS_Q_STEP(VS_ROWS_6, VS_ACC_6);
     }
     const __m256i acc[6][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}, {a40, a41}, {a50, a51}};
     for (int i = 0; i < MR; ++i)
@@ -428,11 +399,20 @@ inline void tile_q_pair(const int16_t* x, int64_t ldx, const float* xs, const i8
     }
   }
 }
-#undef VS_Q_WEIGHTS
 #undef VS_Q_ROW
-#undef VS_Q_IN
-#undef VS_Q_CLOBBERS
+#undef VS_Q_STEP
 #endif
+#undef VS_ACC_2
+#undef VS_ACC_3
+#undef VS_ACC_4
+#undef VS_ACC_5
+#undef VS_ACC_6
+#undef VS_ROWS_2
+#undef VS_ROWS_3
+#undef VS_ROWS_4
+#undef VS_ROWS_5
+#undef VS_ROWS_6
+#undef VS_PAIR_IN
 
 #if defined(__AVX512VL__)
 // The 8 int32 lanes of each of a, b, c and d summed exactly: [sum a, sum b, sum c, sum d] as
@@ -875,11 +855,9 @@ inline void tile_rows(const float* x, int64_t ldx, const WT* w, int64_t K, int64
 #endif
     for (; j + 2 <= nr; j += 2) {
       if constexpr (MR == 6 && std::is_same_v<WT, float>) {
-        if (pf == 0) {  // passes after a block's first (`for_each_pass`)
-          tile_pair6(x, ldx, w + j * K, K, scale ? scale + j : nullptr, bias ? bias + j : nullptr,
-                     y + j, ldy, acc);
-          continue;
-        }
+        tile_pair6(x, ldx, w + j * K, K, scale ? scale + j : nullptr, bias ? bias + j : nullptr,
+                   y + j, ldy, acc, pf);
+        continue;
       }
       tile<MR, 2>(x, ldx, w + j * K, K, kPairChunk<WT>, 2, scale ? scale + j : nullptr,
                   bias ? bias + j : nullptr, y + j, ldy, acc, pf);
