@@ -79,7 +79,19 @@ def _llama3_rope() -> LlamaForCausalLM:
     return _llama(rope_parameters=rope)
 
 
-MODELS = {"llama": _llama, "qwen2": _qwen2, "mistral": _mistral, "llama3-rope": _llama3_rope}
+def _gqa3_head64() -> MistralForCausalLM:
+    """SmolLM2's attention shape: head_dim 64 and 3 query heads per key-value head, which the
+    kernel scores three queries at a time."""
+    return _mistral(head_dim=64, num_attention_heads=6)
+
+
+MODELS = {
+    "llama": _llama,
+    "qwen2": _qwen2,
+    "mistral": _mistral,
+    "llama3-rope": _llama3_rope,
+    "gqa3-head64": _gqa3_head64,
+}
 
 
 def _reference(hf: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:

@@ -110,6 +110,26 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// hsum of each of a[0 .. 8) into out[0 .. 8), bitwise: hsum(v) adds t_l = v_l + v_(l+4), then
+// u_0 = t_0 + t_2 and u_1 = t_1 + t_3, then u_0 + u_1, and the three shuffle-and-add rounds below
+// pair the same lanes for all eight at once (a quarter of the instructions of eight hsums).
+inline void hsum8(const __m256 (&a)[8], float* out) {
+  __m256 t[4];  // t[i]: [t of a[2i] | t of a[2i + 1]]
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)
+    t[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
+                         _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
+  __m256 u[2];  // u[i], per 128-bit lane: [u_0, u_1 of a[4i] (+1), u_0, u_1 of a[4i + 2] (+1)]
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i)
+    u[i] = _mm256_add_ps(_mm256_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // u_0 + u_1 of each (a[0], a[2], a[4], a[6], a[1], ... in its lanes), stored in order
+  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm256_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
 // The end of one output element, shared by the tiles: times the row's scale, plus its bias, stored
 // or added to what `out` holds.
 inline void finish_dot(float s, const float* scale, const float* bias, int64_t j, float* out,
@@ -1400,14 +1420,6 @@ inline float dot(const float* a, const KT* b, int64_t n) {
   return s;
 }
 
-// The last round of dot8's eight horizontal sums: u_0 + u_1 of each key
-// (keys in lanes 0, 2, 4, 6, 1, 3, 5, 7 after the adds), stored in key order to out[0 .. 8).
-inline void last_round8(__m256 u0, __m256 u1, float* out) {
-  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm256_shuffle_ps(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
-  _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-}
-
 // Four keys at once for throughput; each score is the same op sequence as dot().
 template <typename KT>
 inline void dot4(const float* q, const KT* k, int64_t D, float* out) {
@@ -1426,10 +1438,7 @@ inline void dot4(const float* q, const KT* k, int64_t D, float* out) {
   for (int i = 0; i < 4; ++i) out[i] = s[i];
 }
 
-// Eight keys at once, each score again dot()'s op sequence. The eight horizontal sums run in one
-// register: hsum(v) adds t_i = v_i + v_(i+4), then u_0 = t_0 + t_2 and u_1 = t_1 + t_3, then
-// u_0 + u_1, and the three shuffle-and-add rounds below pair the same lanes for all eight keys
-// (a quarter of the instructions of eight hsums).
+// Eight keys at once, each score again dot()'s op sequence (`hsum8`).
 template <typename KT>
 inline void dot8(const float* q, const KT* k, int64_t D, float* out) {
   __m256 a[8];
@@ -1441,17 +1450,7 @@ inline void dot8(const float* q, const KT* k, int64_t D, float* out) {
 #pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, load8(k + i * D + d), a[i]);
   }
-  __m256 t[4];  // t[i]: [t of key 2i | t of key 2i + 1]
-#pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i)
-    t[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
-                         _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
-  __m256 u[2];  // u[i], per 128-bit lane: [u_0, u_1 of key 4i (+1), u_0, u_1 of key 4i + 2 (+1)]
-#pragma GCC unroll 2
-  for (int i = 0; i < 2; ++i)
-    u[i] = _mm256_add_ps(_mm256_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm256_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  last_round8(u[0], u[1], out);
+  hsum8(a, out);
   for (; d < D; ++d)
     for (int i = 0; i < 8; ++i) out[i] = std::fma(q[d], to_f32(k[i * D + d]), out[i]);
 }
@@ -1574,6 +1573,89 @@ inline void weighted_queries(const float* const* p, const KT* v, int64_t j0, int
 }
 #endif
 
+#if !defined(__AVX512F__)
+// Attention of three queries at once in 256-bit registers, for head dimension 64 (kHeadDim256),
+// every output bitwise the same as one query at a time, only faster where queries share a
+// key-value head (GQA: SmolLM2's 3 query heads per KV head; the tokens of a verification or a
+// prompt): each key or value is loaded, and widened from float16, once for the three. One at a
+// time, widening the float16 cache took most of the attention's time on a 2-core Zen 3 EPYC
+// (session 28, perf): attention was 20% of an int8 prompt of 704 tokens there, 15% with these.
+// SmolLM2-135M, two builds over one copy of the weights alternating (/tmp/s28/ab.py, min / median
+// of 10, ms, a noisy machine): int8 prompt of 704 tokens 993.8 / 1118.6 -> 960.3 / 994.4, greedy
+// step at 200 cached tokens 6.50 / 7.38 -> 6.30 / 7.15; float32 (its cache float32, nothing to
+// widen; min / median of 8) 704 tokens 1274 / 1360 -> 1271 / 1339, one token 7.04 / 8.14 -> 6.87
+// / 7.10. `plan_attention` keeps each token's G queries in one item, so they meet as threes.
+constexpr int64_t kHeadDim256 = 64;
+
+// Scores of 3 queries against keys j .. j + 3 (rows of k, 64 values each): out[x][0 .. 4). Each
+// score is dot()'s chain (one 8-lane multiply-add per 8 values, in order), then hsum's sum.
+template <typename KT>
+inline void dot4_queries3(const float* const* q, const KT* k, float* const* out) {
+  constexpr int64_t D = kHeadDim256;
+  __m256 a0[4], a1[4], a2[4];
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) a0[i] = a1[i] = a2[i] = _mm256_setzero_ps();
+#pragma GCC unroll 8
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 q0 = _mm256_loadu_ps(q[0] + d), q1 = _mm256_loadu_ps(q[1] + d);
+    const __m256 q2 = _mm256_loadu_ps(q[2] + d);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      const __m256 kk = load8(k + i * D + d);
+      a0[i] = _mm256_fmadd_ps(q0, kk, a0[i]);
+      a1[i] = _mm256_fmadd_ps(q1, kk, a1[i]);
+      a2[i] = _mm256_fmadd_ps(q2, kk, a2[i]);
+    }
+  }
+  const __m256 z = _mm256_setzero_ps();
+  const __m256 first[8] = {a0[0], a0[1], a0[2], a0[3], a1[0], a1[1], a1[2], a1[3]};
+  const __m256 last[8] = {a2[0], a2[1], a2[2], a2[3], z, z, z, z};
+  alignas(32) float s[16];
+  hsum8(first, s);
+  hsum8(last, s + 8);
+#pragma GCC unroll 3
+  for (int x = 0; x < 3; ++x)
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) out[x][i] = s[4 * x + i];
+}
+
+// weighted_rows for 3 queries over the same value rows j0 .. j1 - 1, head dimension 64 in two
+// halves of 32 (12 accumulators): each row's values are loaded once for the three. Each output
+// element is the same fma chain over the rows in order.
+template <typename KT>
+inline void weighted_queries3(const float* const* p, const KT* v, int64_t j0, int64_t j1,
+                              float* const* out) {
+  constexpr int64_t D = kHeadDim256;
+#pragma GCC unroll 1
+  for (int64_t h = 0; h < D; h += 32) {
+    __m256 a0[4], a1[4], a2[4];
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      a0[c] = _mm256_loadu_ps(out[0] + h + 8 * c);
+      a1[c] = _mm256_loadu_ps(out[1] + h + 8 * c);
+      a2[c] = _mm256_loadu_ps(out[2] + h + 8 * c);
+    }
+    for (int64_t j = j0; j < j1; ++j) {
+      const KT* row = v + j * D + h;
+      const __m256 p0 = _mm256_set1_ps(p[0][j]), p1 = _mm256_set1_ps(p[1][j]), p2 = _mm256_set1_ps(p[2][j]);
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        const __m256 r = load8(row + 8 * c);
+        a0[c] = _mm256_fmadd_ps(p0, r, a0[c]);
+        a1[c] = _mm256_fmadd_ps(p1, r, a1[c]);
+        a2[c] = _mm256_fmadd_ps(p2, r, a2[c]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      _mm256_storeu_ps(out[0] + h + 8 * c, a0[c]);
+      _mm256_storeu_ps(out[1] + h + 8 * c, a1[c]);
+      _mm256_storeu_ps(out[2] + h + 8 * c, a2[c]);
+    }
+  }
+}
+#endif
+
 // One block of keys j0 .. j0 + JB - 1 for an item's n queries (query(a): its float32 vector;
 // end(a, j0): where its keys in the block end): scores into p[a * S + j]. With head_dim 64 on
 // AVX-512, groups of 3 (2 where 2 or 4 are left) share their key loads over the keys all of them
@@ -1603,6 +1685,19 @@ inline void block_scores(int64_t n, int64_t j0, const KT* K, int64_t D, int64_t 
     for (int64_t x = 0; x < take; ++x)
       if (end(a + x, j0) > common) scores(q[x], K, common, end(a + x, j0), D, p + (a + x) * S);
     a += take;
+  }
+#else
+  for (; D == kHeadDim256 && a + 3 <= n; a += 3) {  // threes over the keys all three attend to, in 4s
+    const int64_t e = std::min({end(a, j0), end(a + 1, j0), end(a + 2, j0)});
+    const int64_t common = e > j0 ? j0 + (e - j0) / 4 * 4 : j0;
+    const float* q[3] = {query(a), query(a + 1), query(a + 2)};
+    float* o[3];
+    for (int64_t j = j0; j < common; j += 4) {
+      for (int64_t x = 0; x < 3; ++x) o[x] = p + (a + x) * S + j;
+      dot4_queries3(q, K + j * D, o);
+    }
+    for (int64_t x = 0; x < 3; ++x)
+      if (end(a + x, j0) > common) scores(q[x], K, common, end(a + x, j0), D, p + (a + x) * S);
   }
 #endif
   for (; a < n; ++a)
@@ -1635,6 +1730,15 @@ inline void block_weighted(int64_t n, int64_t j0, const KT* V, int64_t D, int64_
     for (int64_t x = 0; x < take; ++x)
       if (end(a + x, j0) > common) weighted_rows(pp[x], V, common, end(a + x, j0), D, o[x]);
     a += take;
+  }
+#else
+  for (; D == kHeadDim256 && a + 3 <= n; a += 3) {  // threes over the rows all three attend to
+    const int64_t common = std::max(j0, std::min({end(a, j0), end(a + 1, j0), end(a + 2, j0)}));
+    const float* pp[3] = {p + a * S, p + (a + 1) * S, p + (a + 2) * S};
+    float* o[3] = {out(a), out(a + 1), out(a + 2)};
+    weighted_queries3(pp, V, j0, common, o);
+    for (int64_t x = 0; x < 3; ++x)
+      if (end(a + x, j0) > common) weighted_rows(pp[x], V, common, end(a + x, j0), D, o[x]);
   }
 #endif
   for (; a < n; ++a)
@@ -2453,9 +2557,10 @@ class FastLlamaKernel {
         for (int64_t m = 0; m < M; ++m)
           if (sl[m] == slot)
             for (int64_t h = g * G; h < (g + 1) * G; ++h) queries_.push_back(m * Hq_ + h);
-        const int64_t n = static_cast<int64_t>(queries_.size()) - first, pieces = (n + cap - 1) / cap;
+        // whole tokens per item (n / G of them), so a token's G queries stay together
+        const int64_t t = (static_cast<int64_t>(queries_.size()) - first) / G, pieces = (t * G + cap - 1) / cap;
         for (int64_t i = 0; i < pieces; ++i)
-          items_.push_back({slot, g, first + n * i / pieces, first + n * (i + 1) / pieces});
+          items_.push_back({slot, g, first + G * (t * i / pieces), first + G * (t * (i + 1) / pieces)});
       }
     }
   }
