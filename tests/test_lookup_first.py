@@ -132,20 +132,28 @@ def test_eagle_reads_the_targets_features_after_steps_it_did_not_draft():
 
 
 def test_default_drafter_is_lookup_first_over_the_shipped_draft(tmp_path, monkeypatch):
-    """No drafter named: LookupFirst over the target's shipped draft; prompt lookup alone when none
-    is shipped for it, when --prompt-lookup is asked for, or for an int8 target."""
+    """No drafter named: LookupFirst over the target's shipped draft where the target's steps are
+    slow (the fast path without its kernel); prompt lookup alone when no draft is shipped for it,
+    when --prompt-lookup is asked for, for an int8 target, and for a target on the kernel."""
     from verispec.commands.drafters import build_proposer
     from verispec.distill import shipped
     from verispec.distill.shipped import save_draft, target_id
+    from verispec.models.fast_llama import FastLlama
 
     hf, target = _fast_target()
     model, _ = _eagle(target)
+    slow = FastLlama.from_hf(hf, max_batch_size=2, max_length=256, use_kernel=False)
+    slow.hf_model, slow.tokenizer = hf, None  # as `wrap` sets them
     monkeypatch.setattr(shipped, "SHIPPED", tmp_path)
-    assert type(build_proposer(target, None, False)) is PromptLookup  # nothing shipped yet
+    assert type(build_proposer(slow, None, False)) is PromptLookup  # nothing shipped yet
     save_draft(tmp_path / "eagle", model, {"target_id": target_id(target)})
-    chosen = build_proposer(target, None, False)
+    chosen = build_proposer(slow, None, False)
     assert isinstance(chosen, LookupFirst) and isinstance(chosen.draft, EagleProposer)
-    assert type(build_proposer(target, None, True)) is PromptLookup
+    assert type(build_proposer(slow, None, True)) is PromptLookup
+    if target.uses_kernel:  # the kernel's steps are too cheap for the head to pay
+        assert type(build_proposer(target, None, False)) is PromptLookup
+        named = build_proposer(target, "default", False)  # still there when asked for
+        assert isinstance(named, EagleProposer)
     _, other = _fast_target(seed=1)  # another target: the draft is not its own
     assert type(build_proposer(other, None, False)) is PromptLookup
     from verispec.models.loading import wrap

@@ -460,9 +460,19 @@ def _generate_json(prompt: str, *extra: str) -> dict:
 
 @pytest.fixture(scope="module")
 def default_server() -> Iterator[Server]:
-    # The default drafter (lookup first over the shipped EAGLE head) against the CLI's prompt lookup:
+    # The shipped EAGLE head against the CLI's prompt lookup (the default drafter on the kernel):
     # both are exact, so greedy texts must agree.
-    srv = Server(["--model", "default", "--max-num-seqs", "4", "--max-model-len", "1024"], startup_s=600)
+    args = [
+        "--model",
+        "default",
+        "--speculative-model",
+        "default",
+        "--max-num-seqs",
+        "4",
+        "--max-model-len",
+        "1024",
+    ]
+    srv = Server(args, startup_s=600)
     try:
         yield srv
     finally:

@@ -27,15 +27,15 @@ def build_proposer(
     ``--draft-model default`` is the trained draft shipped for the target. With no drafter named, the
     default drafter is :class:`~verispec.lookup_first.LookupFirst` over the shipped draft (prompt
     lookup where it has a good match, the trained draft elsewhere), or prompt lookup alone for a
-    target with no shipped draft and for an int8 target (:func:`lookup_alone_pays`;
-    benchmarks/DRAFTS.md has the measurements behind these choices).
+    target with no shipped draft, an int8 target and a target on the C++ kernel
+    (:func:`lookup_alone_pays`; benchmarks/DRAFTS.md has the measurements behind these choices).
     """
     from verispec.models.loading import load_model, load_tokenizer
 
     if prompt_lookup:
         return PromptLookup()
     if draft_model is None and lookup_alone_pays(target):
-        log.info("int8 target: drafting by prompt lookup alone (a draft model costs more than it saves)")
+        log.info("drafting by prompt lookup alone: on this target a draft model costs more than it saves")
         return PromptLookup()
     if draft_model is None:
         shipped = default_draft_for(target, max_batch_size=max_batch_size)
@@ -70,13 +70,20 @@ def build_proposer(
 
 def lookup_alone_pays(target: KVModel) -> bool:
     """Whether prompt lookup alone beats lookup first with the shipped draft behind it: for an int8
-    target. Its steps cost a third of float32's, so each draft token of the shipped head costs 0.17
-    of one (0.23 with the head's weights in bfloat16; float32 target: 0.08), more than the head's
-    tokens save. Side by side on Spec-Bench (greedy, session 10), lookup first ran at 0.95-0.98 of
-    lookup alone's speed in five runs on an int8 target (0.96-1.00 in two with the head in int8),
-    and at 1.08-1.12 of it in four on float32; on a 2-core Intel Xeon (session 11) the two tied on
-    int8 (1.12-1.15x against 1.13-1.14x) while lookup first led on float32 (benchmarks/DRAFTS.md)."""
-    return getattr(target, "dtype", None) == "int8"
+    target, and for any target whose steps run on the C++ kernel.
+
+    An int8 step costs a third of a float32 one on the kernel of session 10, so each draft token of
+    the shipped head cost 0.17 of one (float32 target: 0.08), more than the head's tokens save: lookup
+    first ran at 0.95-0.98 of lookup alone's speed in five runs on an int8 target there, and at
+    1.08-1.12 of it on float32. Since session 23 the kernel's float32 steps read 4-bit blocks and
+    cost a half to a quarter of what they did, and lookup first came level with lookup alone on
+    Spec-Bench (1.03-1.05x against 1.05-1.06x on two EPYCs, sessions 24 and 26; 1.00x against
+    1.02x in session 28) and lost where it must learn the costs first: a fresh `verispec generate`
+    of a short chat prompt ran at 0.65-0.75x plain decoding with the head against 1.0-1.16x with
+    lookup alone (session 28, benchmarks/DRAFTS.md). So the head drafts by default only where the
+    target's steps are slow (the fast path without its kernel); ``--draft-model default`` still
+    asks for it."""
+    return getattr(target, "dtype", None) == "int8" or bool(getattr(target, "uses_kernel", False))
 
 
 def default_draft_for(target: KVModel, max_batch_size: int = 1) -> Proposer | None:
