@@ -1494,13 +1494,16 @@ inline void weighted_rows(const float* p, const KT* v, int64_t j0, int64_t j1, i
     for (int64_t j = j0; j < j1; ++j) out[d] = std::fma(p[j], to_f32(v[j * D + d]), out[d]);
 }
 
+// The head dimension whose queries of one key-value head the attention takes several at a time
+// (AVX-512 below, AVX2 after it); other head dimensions go one query at a time.
+constexpr int64_t kGroupedHeadDim = 64;
+
 #if defined(__AVX512F__)
-// Attention of several queries at once in 512-bit registers, for head dimension 64 (kHeadDim512),
+// Attention of several queries at once in 512-bit registers, for head dimension kGroupedHeadDim,
 // every output bitwise the same as the 256-bit code's above, only faster where queries share a
 // key-value head (GQA, and the tokens of a verification). On the Xeon, one thread, 1504 keys in
 // L2, ms per 30 layers (benchmarks/README.md, session 14): five queries' scores 0.65 -> 0.52-0.57,
 // their weighted sums 0.64 -> 0.32.
-constexpr int64_t kHeadDim512 = 64;
 
 // 16 keys' or values' elements, widened to float32.
 inline __m512 load16z(const float* p) { return _mm512_loadu_ps(p); }
@@ -1521,7 +1524,7 @@ inline __m512 load8_pair(const KT* a, const KT* b) {
 // queries.
 template <int QN, typename KT>
 inline void dot8_queries(const float* const* q, const KT* k, float* const* out) {
-  constexpr int64_t D = kHeadDim512;
+  constexpr int64_t D = kGroupedHeadDim;
   __m512 a[QN][4];
 #pragma GCC unroll 4
   for (int x = 0; x < QN; ++x)
@@ -1548,7 +1551,7 @@ inline void dot8_queries(const float* const* q, const KT* k, float* const* out) 
 template <int QN, typename KT>
 inline void weighted_queries(const float* const* p, const KT* v, int64_t j0, int64_t j1,
                              float* const* out) {
-  constexpr int64_t D = kHeadDim512;
+  constexpr int64_t D = kGroupedHeadDim;
   __m512 a[QN][4];
 #pragma GCC unroll 4
   for (int x = 0; x < QN; ++x)
@@ -1574,7 +1577,7 @@ inline void weighted_queries(const float* const* p, const KT* v, int64_t j0, int
 #endif
 
 #if !defined(__AVX512F__)
-// Attention of three queries at once in 256-bit registers, for head dimension 64 (kHeadDim256),
+// Attention of three queries at once in 256-bit registers, for head dimension kGroupedHeadDim,
 // every output bitwise the same as one query at a time, only faster where queries share a
 // key-value head (GQA: SmolLM2's 3 query heads per KV head; the tokens of a verification or a
 // prompt): each key or value is loaded, and widened from float16, once for the three. One at a
@@ -1585,13 +1588,12 @@ inline void weighted_queries(const float* const* p, const KT* v, int64_t j0, int
 // step at 200 cached tokens 6.50 / 7.38 -> 6.30 / 7.15; float32 (its cache float32, nothing to
 // widen; min / median of 8) 704 tokens 1274 / 1360 -> 1271 / 1339, one token 7.04 / 8.14 -> 6.87
 // / 7.10. `plan_attention` keeps each token's G queries in one item, so they meet as threes.
-constexpr int64_t kHeadDim256 = 64;
 
 // Scores of 3 queries against keys j .. j + 3 (rows of k, 64 values each): out[x][0 .. 4). Each
 // score is dot()'s chain (one 8-lane multiply-add per 8 values, in order), then hsum's sum.
 template <typename KT>
 inline void dot4_queries3(const float* const* q, const KT* k, float* const* out) {
-  constexpr int64_t D = kHeadDim256;
+  constexpr int64_t D = kGroupedHeadDim;
   __m256 a0[4], a1[4], a2[4];
 #pragma GCC unroll 4
   for (int i = 0; i < 4; ++i) a0[i] = a1[i] = a2[i] = _mm256_setzero_ps();
@@ -1625,7 +1627,7 @@ inline void dot4_queries3(const float* const* q, const KT* k, float* const* out)
 template <typename KT>
 inline void weighted_queries3(const float* const* p, const KT* v, int64_t j0, int64_t j1,
                               float* const* out) {
-  constexpr int64_t D = kHeadDim256;
+  constexpr int64_t D = kGroupedHeadDim;
 #pragma GCC unroll 1
   for (int64_t h = 0; h < D; h += 32) {
     __m256 a0[4], a1[4], a2[4];
@@ -1666,7 +1668,7 @@ inline void block_scores(int64_t n, int64_t j0, const KT* K, int64_t D, int64_t 
                          const End& end, float* p) {
   int64_t a = 0;
 #if defined(__AVX512F__)
-  while (D == kHeadDim512 && a < n) {
+  while (D == kGroupedHeadDim && a < n) {
     const int64_t take = (n - a) % 3 == 1 && n - a > 1 ? 2 : std::min<int64_t>(3, n - a);
     int64_t common = j0;
     if (take > 1) {
@@ -1687,7 +1689,7 @@ inline void block_scores(int64_t n, int64_t j0, const KT* K, int64_t D, int64_t 
     a += take;
   }
 #else
-  for (; D == kHeadDim256 && a + 3 <= n; a += 3) {  // threes over the keys all three attend to, in 4s
+  for (; D == kGroupedHeadDim && a + 3 <= n; a += 3) {  // threes over the keys all three attend to, in 4s
     const int64_t e = std::min({end(a, j0), end(a + 1, j0), end(a + 2, j0)});
     const int64_t common = e > j0 ? j0 + (e - j0) / 4 * 4 : j0;
     const float* q[3] = {query(a), query(a + 1), query(a + 2)};
@@ -1712,7 +1714,7 @@ inline void block_weighted(int64_t n, int64_t j0, const KT* V, int64_t D, int64_
                            const End& end, const Out& out) {
   int64_t a = 0;
 #if defined(__AVX512F__)
-  while (D == kHeadDim512 && a < n) {
+  while (D == kGroupedHeadDim && a < n) {
     const int64_t take = std::min<int64_t>(4, n - a);
     int64_t common = end(a, j0);
     for (int64_t x = 1; x < take; ++x) common = std::min(common, end(a + x, j0));
@@ -1732,7 +1734,7 @@ inline void block_weighted(int64_t n, int64_t j0, const KT* V, int64_t D, int64_
     a += take;
   }
 #else
-  for (; D == kHeadDim256 && a + 3 <= n; a += 3) {  // threes over the rows all three attend to
+  for (; D == kGroupedHeadDim && a + 3 <= n; a += 3) {  // threes over the rows all three attend to
     const int64_t common = std::max(j0, std::min({end(a, j0), end(a + 1, j0), end(a + 2, j0)}));
     const float* pp[3] = {p + a * S, p + (a + 1) * S, p + (a + 2) * S};
     float* o[3] = {out(a), out(a + 1), out(a + 2)};
@@ -2557,8 +2559,8 @@ class FastLlamaKernel {
         for (int64_t m = 0; m < M; ++m)
           if (sl[m] == slot)
             for (int64_t h = g * G; h < (g + 1) * G; ++h) queries_.push_back(m * Hq_ + h);
-        // whole tokens per item (n / G of them), so a token's G queries stay together
-        const int64_t t = (static_cast<int64_t>(queries_.size()) - first) / G, pieces = (t * G + cap - 1) / cap;
+        const int64_t n = static_cast<int64_t>(queries_.size()) - first, pieces = (n + cap - 1) / cap;
+        const int64_t t = n / G;  // whole tokens per item, so a token's G queries stay together
         for (int64_t i = 0; i < pieces; ++i)
           items_.push_back({slot, g, first + G * (t * i / pieces), first + G * (t * (i + 1) / pieces)});
       }
