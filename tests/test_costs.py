@@ -114,6 +114,23 @@ def test_step_costs_are_ratios_to_the_one_token_step() -> None:
     assert costs.ratios(3) == [1.0, costs.ratio(2), costs.ratio(3)]
 
 
+def test_a_measured_prior_stands_in_until_the_process_measures_a_width() -> None:
+    """A curve measured once on this machine replaces the 5% guess, and this process's own figures
+    replace it in turn."""
+    costs = StepCosts(prior=[1.0, 1.2, 1.5, 1.9])
+    assert [costs.ratio(w) for w in (1, 2, 3, 4)] == pytest.approx([1.0, 1.2, 1.5, 1.9])
+    assert costs.ratio(6) == pytest.approx(1.9 + 2 * 0.3)  # past it: its mean cost per extra token
+    assert costs.ratio(3, batch=2, context=2000) == pytest.approx(1.5)  # no figures anywhere yet
+    for _ in range(3):
+        costs.record(1, 1, 0.010)
+        costs.record(1, 3, 0.013)
+    assert costs.ratio(3) == pytest.approx(1.3)  # measured here
+    assert costs.ratio(4) == pytest.approx(1.45)  # extrapolated from this process's width 3
+    assert StepCosts(prior=[1.0]).ratio(3) == pytest.approx(1 + 2 * PRIOR_EXTRA_TOKEN_COST)
+    cheap = StepCosts(prior=[1.0, 1.01])  # past the curve, never cheaper than the constant prior
+    assert cheap.ratio(4) == pytest.approx(1.01 + 2 * PRIOR_EXTRA_TOKEN_COST)
+
+
 def test_a_rarely_seen_context_keeps_its_figures_until_it_comes_back() -> None:
     """Samples expire after ``horizon`` steps in their own bucket: long prompts among many short
     ones keep what their wide steps cost, while short contexts' figures still expire."""

@@ -473,6 +473,20 @@ def test_int8_default_model_keeps_top1_of_float32(default_model) -> None:
     assert total > 500 and same / total >= 0.94, f"{same}/{total} positions agree"
 
 
+@pytest.mark.slow
+def test_the_default_model_prices_drafts_from_a_curve_measured_on_this_machine(default_model) -> None:
+    """A fresh process starts from the step costs measured once on this machine, not from 5% a token."""
+    from verispec.costs import costs_for
+    from verispec.models.schedule import STEP_WIDTHS
+
+    if getattr(default_model, "_kernel", None) is None:
+        pytest.skip("the C++ kernel is not built here")
+    curve = default_model.step_cost_prior
+    assert curve is not None and len(curve) == STEP_WIDTHS and curve[0] == 1.0
+    assert all(v >= 1.0 for v in curve) and curve[-1] > curve[0]
+    assert costs_for(default_model).prior == curve
+
+
 @pytest.mark.parametrize("use_kernel", PATHS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
 def test_long_prefill_in_bfloat16_products_stays_close_and_decode_is_untouched(

@@ -292,3 +292,41 @@ def test_cpu_name_tells_apart_cpus_that_share_a_model_name() -> None:
         zen5 = schedule.cpu_name()
     assert zen3 == "AMD EPYC (family 25, model 1; avx2)"
     assert zen5 == "AMD EPYC (family 26, model 2; avx2+avx512f+avx512_vnni)"
+
+
+def test_step_curve_is_each_widths_least_time_over_one_tokens_at_least_one() -> None:
+    times = {1: [1.2, 1.0], 2: [1.1, 1.3], 3: [0.95, 1.4], 4: [1.6, 1.5]}
+    assert schedule.step_curve(times) == pytest.approx([1.0, 1.1, 1.0, 1.5])
+
+
+@pytest.fixture
+def steps_timed(monkeypatch: pytest.MonkeyPatch, tmp_path) -> list[int]:
+    """A cache in tmp_path and a fake step measurement: each extra token costs 0.25 of one."""
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    calls: list[int] = []
+
+    def measure_steps(model, widths: int = schedule.STEP_WIDTHS, rounds: int = 5, context: int = 128):
+        calls.append(1)
+        return {t: [1.0 + 0.25 * (t - 1), 9.0] for t in range(1, widths + 1)}
+
+    monkeypatch.setattr(schedule, "measure_steps", measure_steps)
+    return calls
+
+
+def test_apply_step_costs_measures_once_per_machine_and_is_the_engines_prior(steps_timed, tmp_path) -> None:
+    from verispec.costs import costs_for
+
+    want = [1.0 + 0.25 * w for w in range(schedule.STEP_WIDTHS)]
+    model = _Model(schedule.MIN_TUNED_BYTES)
+    assert schedule.apply_step_costs(model) == pytest.approx(want) == model.step_cost_prior
+    cached = json.loads((tmp_path / "kernel_schedule.json").read_text())
+    assert next(iter(cached)).startswith(schedule.STEPS_KEY)
+    again = _Model(model.size)
+    assert schedule.apply_step_costs(again) == pytest.approx(want) and len(steps_timed) == 1
+    costs = costs_for(again)  # a fresh process prices its first drafts at the measured curve
+    assert costs.ratio(3) == pytest.approx(1.5) and costs.ratio(12) == pytest.approx(3.75)
+    small = _Model(schedule.MIN_TUNED_BYTES - 1)
+    assert schedule.apply_step_costs(small) is None and small.step_cost_prior is None
+    assert len(steps_timed) == 1
+    (tmp_path / "kernel_schedule.json").write_text(json.dumps({next(iter(cached)): [1.0, "x"]}))
+    assert schedule.apply_step_costs(_Model(model.size)) == pytest.approx(want) and len(steps_timed) == 2

@@ -1,11 +1,13 @@
 """What a verification step costs, measured while generating, and the draft length it makes worth it.
 
 Speculation pays only when the tokens a step is expected to emit outgrow what the wider step costs.
-On a CPU that cost is far from the idealised 1 (Leviathan et al., 2023): here a forward over 5 tokens
-costs 1.0-1.2 one-token steps with float32 weights and 1.2-1.5 with int8 weights (1.7-2.4 before
-the int8 kernel moved to integer products), and it moves with the context's length and the machine's
-load. So the engine times every step by its width (tokens per row) and its context and keeps the
-figures per target (:func:`costs_for`), and :func:`best_draft_length` picks, per row, the draft length with
+On a CPU that cost is far from the idealised 1 (Leviathan et al., 2023), and it differs by machine
+and weight format: a forward over 5 tokens cost 1.0-1.2 one-token steps with float32 weights on the
+Xeon of sessions 9-17, 2.1 on a Zen 3 EPYC reading float32 from the GGUF's 4-bit blocks, and 1.3-1.6
+with int8 weights (``benchmarks/README.md``); it also moves with the context's length and the
+machine's load. So the engine times every step by its width (tokens per row) and its context and
+keeps the figures per target (:func:`costs_for`), starting from a curve measured once per machine
+where the target has one, and :func:`best_draft_length` picks, per row, the draft length with
 the most expected tokens per unit of measured cost, given the drafter's estimate of each draft
 token's chance of acceptance (:attr:`verispec.proposers.Proposal.accept_probs`).
 """
@@ -18,9 +20,9 @@ from collections import deque
 from collections.abc import Sequence
 
 PRIOR_EXTRA_TOKEN_COST = 0.05
-"""Cost of each further token of a step before any is measured, relative to a one-token step (the
-float32 kernel's figure: 5 tokens ~1.2x). Optimistic for slower formats on purpose: an unmeasured width
-gets tried and measured instead of never being used."""
+"""Cost of each further token of a step before any is measured, relative to a one-token step, where
+no curve measured on this machine is known (:attr:`StepCosts.prior`). Optimistic on purpose: an
+unmeasured width gets tried and measured instead of never being used."""
 
 
 CONTEXT_BUCKET_TOKENS = 256
@@ -66,7 +68,12 @@ class StepCosts:
     horizon: int = 512
     """Steps (of any width) in its bucket after which a sample of a wider step expires."""
 
-    def __init__(self) -> None:
+    def __init__(self, prior: Sequence[float] | None = None) -> None:
+        self.prior: list[float] | None = [float(v) for v in prior] if prior and len(prior) >= 2 else None
+        """``[v(1), ..., v(W)]`` measured once on this machine for this target (greedy steps at a short
+        context, :func:`verispec.models.schedule.apply_step_costs`), which stands in for
+        :data:`PRIOR_EXTRA_TOKEN_COST` until this process has timed a width itself; None: that
+        constant."""
         self._single: dict[tuple[int, int], deque[float]] = {}
         """Per (batch, bucket), the recent one-token step times."""
         self._ratios: dict[tuple[int, int, int], deque[tuple[int, float]]] = {}
@@ -157,7 +164,21 @@ class StepCosts:
             v = self._ratio_in(batch, bucket, width)
             if v is not None:
                 return v
-        return 1.0 + PRIOR_EXTRA_TOKEN_COST * (width - 1)
+        return self.prior_ratio(width)
+
+    def prior_ratio(self, width: int) -> float:
+        """``v(width)`` before this process has measured anything: :attr:`prior` (past its widest
+        width, extended at its mean cost per extra token, at least :data:`PRIOR_EXTRA_TOKEN_COST`),
+        else :data:`PRIOR_EXTRA_TOKEN_COST` per extra token."""
+        if width <= 1:
+            return 1.0
+        prior = self.prior
+        if prior is None:
+            return 1.0 + PRIOR_EXTRA_TOKEN_COST * (width - 1)
+        if width <= len(prior):
+            return prior[width - 1]
+        per_token = max(PRIOR_EXTRA_TOKEN_COST, (prior[-1] - 1.0) / (len(prior) - 1))
+        return prior[-1] + per_token * (width - len(prior))
 
     def step_seconds(self, batch: int = 1, context: int = 0) -> float | None:
         """Median seconds of a recent one-token step over ``batch`` rows after ``context`` cached
@@ -208,14 +229,17 @@ _BY_TARGET: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def costs_for(target: object) -> StepCosts:
     """The step costs measured for ``target`` so far, shared by every engine that runs it (a
-    request's engine is short-lived; what its steps measured stays with the model)."""
+    request's engine is short-lived; what its steps measured stays with the model). Their prior is
+    the target's ``step_cost_prior`` where it has one (the kernel ``FastLlama``'s, measured once per
+    machine), so that a fresh process prices its first drafts at this machine's costs."""
+    prior = getattr(target, "step_cost_prior", None)  # a curve measured once on this machine
     try:
         costs = _BY_TARGET.get(target)
         if costs is None:
-            costs = _BY_TARGET[target] = StepCosts()
+            costs = _BY_TARGET[target] = StepCosts(prior)
         return costs
     except TypeError:  # not weakly referenceable or not hashable: measure per engine
-        return StepCosts()
+        return StepCosts(prior)
 
 
 EXTRA_COST_WEIGHT = 1.0

@@ -682,10 +682,15 @@ class FastLlama:
         self.kernel_schedule: str | None = None
         """How the kernel reads the paired weights on this machine (:mod:`verispec.models.schedule`;
         measured once per machine, outputs the same either way); None without the kernel."""
+        self.step_cost_prior: list[float] | None = None
+        """``[v(1), ..., v(W)]``: a greedy step of each width over a one-token step, measured once per
+        machine (:func:`verispec.models.schedule.apply_step_costs`), the engine's prior for pricing
+        drafts (:func:`verispec.costs.costs_for`); None without the kernel or for small models."""
         if self._kernel is not None:
             self.kernel_schedule = schedule.apply(self)
             schedule.apply_prefill(self)
             schedule.apply_blocks(self)
+            schedule.apply_step_costs(self)
 
     @property
     def record_hidden(self) -> bool:

@@ -31,6 +31,11 @@ the kernel is still ahead at the longer length and the lines meet past it, it ti
 EPYC of session 20 the kernel led at every length (float32, min of 3, kernel / torch ms: 256
 tokens 370 / 517, 512 784 / 1059, 769 1176 / 1362), where the limit of 512 tokens had sent
 Spec-Bench's summarization and rag prompts (660-769 tokens) to the slower torch path.
+
+And the cost of a greedy step by its width (:func:`apply_step_costs`): the engine prices each draft
+by what verifying it costs (:mod:`verispec.costs`) and times its own steps, but a fresh process knew
+nothing until it had timed each width three times. The curve measured here, cached the same way, is
+the prior it starts from.
 """
 
 from __future__ import annotations
@@ -94,6 +99,12 @@ path's cost changes, so that every machine measures again. v2 (session 26): the 
 AVX-512 redone (one-token step on a Zen 3 EPYC about 30% faster)."""
 BLOCK_WIDTHS = (2, 4, 6, 8, 10, 12, 14, 16)
 """Call widths :func:`measure_blocks` times: decoding, verification of 1-15 drafts."""
+
+STEPS_KEY = "steps-v1|"
+"""Prefix of the cached step-cost curves' keys (:func:`apply_step_costs`); changed whenever the
+kernel's cost by call width changes, so that every machine measures again."""
+STEP_WIDTHS = 9
+"""Widths :func:`measure_steps` times: 1 to 9 tokens, verifying up to 8 drafts."""
 
 MIN_TUNED_BYTES = 64 * 2**20
 """Models whose weights are smaller keep :data:`DEFAULT` untimed: they stay in the caches, where the
@@ -410,3 +421,65 @@ def apply_prefill(model: Any) -> int:
         )
     model.kernel_prefill_max = {**model.kernel_prefill_max, model.dtype: value}
     return value
+
+
+@torch.no_grad()
+def measure_steps(
+    model: Any, widths: int = STEP_WIDTHS, rounds: int = 5, context: int = 128
+) -> dict[int, list[float]]:
+    """Seconds of a greedy step (``logits="argmax"``) of each width 1..``widths`` after ``context``
+    cached tokens, the widths interleaved over ``rounds`` (after one uncounted warm-up round):
+    ``{T: [s, ...]}``. Leaves ``model`` (a kernel ``FastLlama``) empty, for as many rows as before."""
+    batch = model._batch
+    ids = torch.arange(context + widths).remainder(model.vocab_size).view(1, -1)  # [1, context + W]
+    back = torch.tensor([context])
+    times: dict[int, list[float]] = {t: [] for t in range(1, widths + 1)}
+    try:
+        model.reset(1)
+        model.forward(ids[:, :context], logits="none")
+        for r in range(rounds + 1):
+            for t in times if r % 2 else reversed(times):
+                start = time.perf_counter()
+                model.forward(ids[:, context : context + t], logits="argmax")
+                if r:
+                    times[t].append(time.perf_counter() - start)
+                model.truncate(back)
+    finally:
+        model.reset(batch)
+    return times
+
+
+def step_curve(times: dict[int, list[float]]) -> list[float]:
+    """``[v(1), ..., v(W)]`` from :func:`measure_steps`: each width's least time over the one-token
+    step's, at least 1 (the least times are the ones a busy machine disturbs least; a wider step
+    that measured cheaper than one token is taken to cost as much)."""
+    one = min(times[1])
+    return [max(1.0, min(times[t]) / one) for t in sorted(times)]
+
+
+def apply_step_costs(model: Any) -> list[float] | None:
+    """Set and return ``model.step_cost_prior``, what a greedy step of each width 1..
+    :data:`STEP_WIDTHS` costs over a one-token step on this machine (a kernel ``FastLlama``, its
+    cache empty): the cached curve for this CPU, format and size, else :func:`step_curve` of
+    :func:`measure_steps`, cached; None (the constant prior) for small models.
+
+    The engine prices drafts by these costs (:class:`verispec.costs.StepCosts`) and measures its own
+    as it steps, but a fresh process had only an optimistic prior, 5% per extra token, until it had
+    timed each width three times: a short request drafted as if verification cost next to nothing
+    (float32 steps of 2 / 3 / 4 tokens cost 1.18 / 1.52 / 1.89 of one on a Zen 3 EPYC)."""
+    if model.weight_bytes() < MIN_TUNED_BYTES:
+        model.step_cost_prior = None
+        return None
+    curve = _cached(
+        STEPS_KEY + _key(model),
+        lambda v: (
+            isinstance(v, list)
+            and len(v) == STEP_WIDTHS
+            and all(isinstance(x, (int, float)) and 1.0 <= x < 1e3 for x in v)
+        ),
+        lambda: step_curve(measure_steps(model)),
+        f"{model.dtype} steps of 1 to {STEP_WIDTHS} tokens",
+        "about a second",
+    )
+    model.step_cost_prior = [float(x) for x in curve]
+    return model.step_cost_prior
