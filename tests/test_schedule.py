@@ -330,3 +330,29 @@ def test_apply_step_costs_measures_once_per_machine_and_is_the_engines_prior(ste
     assert len(steps_timed) == 1
     (tmp_path / "kernel_schedule.json").write_text(json.dumps({next(iter(cached)): [1.0, "x"]}))
     assert schedule.apply_step_costs(_Model(model.size)) == pytest.approx(want) and len(steps_timed) == 2
+
+
+def test_a_model_too_short_for_a_measurement_takes_the_cache_or_the_default(
+    timed, prefill_timed, blocks_timed, steps_timed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``load_model(..., max_length=100)`` on a machine with nothing cached: no measurement runs
+    calls longer than the model's context; the defaults hold until a load with room measures."""
+    monkeypatch.delenv(schedule.ENV, raising=False)
+    short = _Model(schedule.MIN_TUNED_BYTES)
+    short.max_length = 100
+    assert schedule.apply(short) == "two-stream"  # 64 + 5 tokens fit: measured
+    assert schedule.apply_blocks(short) == 6  # 64 + 16 tokens fit: measured
+    assert schedule.apply_prefill(short) == 96 and short.kernel_prefill_max["int8"] == 96
+    assert schedule.apply_step_costs(short) is None and short.step_cost_prior is None
+    assert (len(timed), len(prefill_timed), len(blocks_timed), len(steps_timed)) == (1, 0, 1, 0)
+    roomy = _Model(schedule.MIN_TUNED_BYTES)  # measures what the short one could not
+    assert schedule.apply_prefill(roomy) == 128 and schedule.apply_step_costs(roomy) is not None
+    again = _Model(schedule.MIN_TUNED_BYTES)
+    again.max_length = 20  # too short for any measurement, but the cache has them all now
+    tiny = _Model(schedule.MIN_TUNED_BYTES + 1)  # another size, nothing cached, no room
+    tiny.max_length = 20
+    assert schedule.apply(tiny) == DEFAULT and schedule.apply_blocks(tiny) == _Model.q4_rows
+    assert schedule.apply(again) == "two-stream" and schedule.apply_blocks(again) == 6
+    assert schedule.apply_prefill(again) == 128
+    assert schedule.apply_step_costs(again) == pytest.approx(roomy.step_cost_prior)
+    assert (len(timed), len(prefill_timed), len(blocks_timed), len(steps_timed)) == (1, 1, 1, 1)

@@ -105,6 +105,10 @@ STEPS_KEY = "steps-v1|"
 kernel's cost by call width changes, so that every machine measures again."""
 STEP_WIDTHS = 9
 """Widths :func:`measure_steps` times: 1 to 9 tokens, verifying up to 8 drafts."""
+STEP_CONTEXT = 128
+"""Cached tokens before the steps :func:`measure_steps` times (a short chat's context)."""
+MEASURE_CONTEXT = 64
+"""Cached tokens before the calls :func:`measure` and :func:`measure_blocks` time."""
 
 MIN_TUNED_BYTES = 64 * 2**20
 """Models whose weights are smaller keep :data:`DEFAULT` untimed: they stay in the caches, where the
@@ -156,7 +160,7 @@ def faster(seconds: dict[str, list[float]], margin: float = 0.03) -> str:
 
 
 @torch.no_grad()
-def measure(model: Any, rounds: int = 6, context: int = 64) -> dict[str, list[float]]:
+def measure(model: Any, rounds: int = 6, context: int = MEASURE_CONTEXT) -> dict[str, list[float]]:
     """Seconds of a one-token plus a five-token forward of ``model`` (a kernel ``FastLlama``) after
     ``context`` tokens, per schedule, the schedules interleaved over ``rounds`` (the first is warm-up
     and not kept). Leaves the model's cache empty, for as many rows as before, and its kernel on
@@ -215,14 +219,28 @@ def _key(model: Any) -> str:
     return f"{cpu_name()}|{model.dtype}|{model.weight_bytes()}|{torch.get_num_threads()} threads"
 
 
-def _cached(key: str, valid: Callable[[Any], bool], choose: Callable[[], T], what: str, takes: str) -> T:
+def _cached(
+    key: str,
+    valid: Callable[[Any], bool],
+    choose: Callable[[], T],
+    what: str,
+    takes: str,
+    room: tuple[Any, int, T] | None = None,
+) -> T:
     """The cached choice under ``key`` if ``valid`` accepts it, else ``choose()``, cached.
 
     Before measuring it says so on the ``verispec`` logger (``what`` is timed, which ``takes`` about
-    so long), since a first run otherwise sits silent for those seconds."""
+    so long), since a first run otherwise sits silent for those seconds.
+
+    ``room``: ``(model, tokens, fallback)``: the measurement runs calls of up to ``tokens`` cached
+    tokens, so a model whose ``max_length`` is shorter (``load_model(..., max_length=...)``) cannot
+    run it; it takes a cached choice if there is one, else ``fallback``, measuring and caching
+    nothing (a later load with room measures)."""
     cached = _read_cache()
     value = cached.get(key)
     if not valid(value):
+        if room is not None and int(room[0].max_length) < room[1]:
+            return room[2]
         logger.warning("timing %s on this machine once (%s; cached in %s)", what, takes, _cache_file())
         value = choose()
         _write_cache(cached, key, value)
@@ -252,6 +270,7 @@ def apply(model: Any) -> str:
             lambda: faster(measure(model)),
             f"two ways of reading {model.dtype} weights",
             "about a second",
+            room=(model, MEASURE_CONTEXT + 5, DEFAULT),
         )
     model._kernel.set_schedule(*SCHEDULES[name])
     return name
@@ -259,7 +278,7 @@ def apply(model: Any) -> str:
 
 @torch.no_grad()
 def measure_blocks(
-    model: Any, widths: tuple[int, ...] = BLOCK_WIDTHS, rounds: int = 4, context: int = 64
+    model: Any, widths: tuple[int, ...] = BLOCK_WIDTHS, rounds: int = 4, context: int = MEASURE_CONTEXT
 ) -> dict[str, dict[int, list[float]]]:
     """Seconds of a forward of each of ``widths`` tokens after ``context`` (whole-head logits, as a
     sampled verification wants them), reading the exact blocks and reading the float32 matrices,
@@ -337,6 +356,7 @@ def apply_blocks(model: Any) -> int:
             lambda: blocks_crossing(measure_blocks(model)),
             "float32 calls reading the weights' blocks and their float32 copy",
             "about 2 s",
+            room=(model, MEASURE_CONTEXT + max(BLOCK_WIDTHS), type(model).q4_rows),
         )
     model.q4_rows = model.head_q8_rows = value
     model._kernel.set_block_rows(value, value)
@@ -418,6 +438,7 @@ def apply_prefill(model: Any) -> int:
             lambda: measure_crossing(model),
             f"{model.dtype} prompts on the kernel and on the torch path",
             "5-25 s",
+            room=(model, max(PREFILL_SIZES), model.kernel_prefill_max.get(model.dtype, 0)),
         )
     model.kernel_prefill_max = {**model.kernel_prefill_max, model.dtype: value}
     return value
@@ -425,7 +446,7 @@ def apply_prefill(model: Any) -> int:
 
 @torch.no_grad()
 def measure_steps(
-    model: Any, widths: int = STEP_WIDTHS, rounds: int = 5, context: int = 128
+    model: Any, widths: int = STEP_WIDTHS, rounds: int = 5, context: int = STEP_CONTEXT
 ) -> dict[int, list[float]]:
     """Seconds of a greedy step (``logits="argmax"``) of each width 1..``widths`` after ``context``
     cached tokens, the widths interleaved over ``rounds`` (after one uncounted warm-up round):
@@ -480,6 +501,7 @@ def apply_step_costs(model: Any) -> list[float] | None:
         lambda: step_curve(measure_steps(model)),
         f"{model.dtype} steps of 1 to {STEP_WIDTHS} tokens",
         "about a second",
+        room=(model, STEP_CONTEXT + STEP_WIDTHS, None),
     )
-    model.step_cost_prior = [float(x) for x in curve]
+    model.step_cost_prior = [float(x) for x in curve] if curve is not None else None
     return model.step_cost_prior
