@@ -36,6 +36,11 @@ COST_CURVES = {
     # (2, 3, 5 and 9 tokens measured; 4, 6, 7 and 8 interpolated).
     "int8-200": (1.0, 1.06, 1.12, 1.175, 1.23, 1.385, 1.54, 1.695, 1.85),
     "int8-1000": (1.0, 1.09, 1.21, 1.31, 1.41, 1.615, 1.82, 2.025, 2.23),
+    # Session 29, a 2-core Zen 3 EPYC (AVX2), run I's readings before the requests (benchmarks/
+    # README.md): float32 read from its 4-bit blocks, and int8 (whose 2-token step read 0.93,
+    # taken as 1).
+    "float32-zen3": (1.0, 1.25, 1.56, 2.03, 2.17, 2.54, 3.32, 3.80, 3.88),
+    "int8-zen3": (1.0, 1.0, 1.10, 1.21, 1.45, 1.48, 2.07, 2.12, 2.34),
 }
 
 
