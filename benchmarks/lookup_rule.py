@@ -11,6 +11,7 @@ later ones (``--skip 5``).
 
     python benchmarks/lookup_rule.py generate --dtype int8 --skip 5 --per-category 4 --out /tmp/lr_int8.json
     python benchmarks/lookup_rule.py replay /tmp/lr_int8.json --cost int8 --rules 4/1,4/1.5
+    python benchmarks/lookup_rule.py replay /tmp/lr_int8.json --cost int8-zen3 --rules 4/1/vote2 --adaptive
 """
 
 from __future__ import annotations
@@ -81,10 +82,18 @@ def replay_one(
     overhead: float,
     extra_cost_weight: float = 1.0,
     misjudged: float = 0.0,
+    adaptive: bool = False,
 ) -> tuple[float, int, int]:
     """Replay one request: ``(cost in one-token steps, drafted, accepted)``. The rule sees ``costs``;
     a step of w tokens is charged ``costs[w - 1] + misjudged * (w - 1)`` (what the rule's figures
-    missed)."""
+    missed). ``adaptive``: the draft cap moves as :func:`verispec.adaptive.adapt_k` moves it for a
+    drafter whose drafts are cut by cost (from k, up by one after a fully accepted draft that used
+    the whole cap, up to 2k; down towards the accepted length after a rejected one, never below k);
+    ``costs`` then extends past its last width at its mean cost per extra token."""
+    if adaptive and len(costs) < 2 * k + 2:
+        per_token = (costs[-1] - 1.0) / (len(costs) - 1)
+        costs = list(costs) + [costs[-1] + per_token * i for i in range(1, 2 * k + 3 - len(costs))]
+    cap = k
     pl = make()
     params = SamplingTensors.from_configs([SamplingConfig(temperature=0.0)])
     seq = list(prompt) + output[:1]  # the first new token comes from the prompt's forward
@@ -92,7 +101,7 @@ def replay_one(
     pl.start(0, seq)
     cost, drafted, accepted = 1.0, 0, 0
     while len(seq) < len(full):
-        room = min(k, len(full) - len(seq) - 1)
+        room = min(cap, len(full) - len(seq) - 1)
         n = 0
         if room > 0:
             prop = pl.propose([0], [seq], torch.tensor([room]), params, [None])
@@ -110,6 +119,8 @@ def replay_one(
         cost += costs[n] + misjudged * n
         drafted += n
         accepted += ok
+        if adaptive and n and n >= cap:
+            cap = min(2 * k, cap + 1) if ok == n else max(k, min(cap - 1, ok + 1))
         seq = full[: at + ok + 1]
     return cost, drafted, accepted
 
@@ -146,7 +157,15 @@ def replay(args: argparse.Namespace) -> None:
             for r in data["rows"]:
                 if r["category"] == cat:
                     c, _, _ = replay_one(
-                        make, r["prompt"], r["output"], costs, args.k, args.overhead, weight, args.misjudged
+                        make,
+                        r["prompt"],
+                        r["output"],
+                        costs,
+                        args.k,
+                        args.overhead,
+                        weight,
+                        args.misjudged,
+                        args.adaptive,
                     )
                     cost, tokens = cost + c, tokens + len(r["output"])
             totals[name][0] += cost
@@ -180,6 +199,7 @@ def main() -> None:
     r.add_argument(
         "--misjudged", type=float, default=0.0, help="true cost per drafted token above what the rule sees"
     )
+    r.add_argument("--adaptive", action="store_true", help="the draft cap adapts from k (as --adaptive does)")
     args = p.parse_args()
     generate(args) if args.cmd == "generate" else replay(args)
 
