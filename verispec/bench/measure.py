@@ -29,7 +29,7 @@ import torch
 
 from verispec.adaptive import expected_tokens
 from verispec.models.pages import huge_page_bytes
-from verispec.models.schedule import cpu_name
+from verispec.models.schedule import cpu_name, time_forwards
 from verispec.stats import GenerationStats
 
 
@@ -126,7 +126,6 @@ def weight_bytes(model, dtype: str = "float32", greedy: bool = False, blocks: bo
     return sum(p.numel() for p in hf.parameters()) * width
 
 
-@torch.no_grad()  # not inference_mode: reset() here makes state tensors that later calls update in place
 def forward_seconds(
     model, tokens: list[int], context: int = 200, reps: int = 9, greedy: bool = False
 ) -> dict[int, float]:
@@ -135,26 +134,10 @@ def forward_seconds(
     ``greedy``: the calls ask for what greedy verification reads (``logits="argmax"``), else all logits.
 
     The cache is truncated back to ``context`` after each call, so every call sees the same length;
-    the T values are interleaved within each repetition so drift hits them alike.
+    the T values are interleaved within each repetition so drift hits them alike
+    (:func:`verispec.models.schedule.time_forwards`).
     """
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(
-        0, model.vocab_size, (1, context + max(tokens)), generator=gen
-    )  # [1, context + T_max]
-    context = min(context, model.max_length - max(tokens))
-    model.reset(1)
-    model.forward(ids[:, :context], logits="none")
-    back = torch.tensor([context])
-    mode = "argmax" if greedy else "all"
-    times: dict[int, list[float]] = {t: [] for t in tokens}
-    for rep in range(reps + 1):
-        for t in tokens:
-            start = time.perf_counter()
-            model.forward(ids[:, context : context + t], logits=mode)  # [1, T, V] as in verification
-            elapsed = time.perf_counter() - start
-            model.truncate(back)
-            if rep:  # the first round is warm-up
-                times[t].append(elapsed)
+    times = time_forwards(model, tokens, context, reps, "argmax" if greedy else "all")  # as verification asks
     return {t: statistics.median(v) for t, v in times.items()}
 
 

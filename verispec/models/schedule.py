@@ -44,7 +44,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -444,30 +444,44 @@ def apply_prefill(model: Any) -> int:
     return value
 
 
-@torch.no_grad()
+@torch.no_grad()  # not inference_mode: reset() here makes state tensors that later calls update in place
+def time_forwards(
+    model: Any, widths: Sequence[int], context: int, rounds: int, logits: str
+) -> dict[int, list[float]]:
+    """Seconds of one ``forward`` of each of ``widths`` new tokens (asking for ``logits``) after
+    ``context`` cached tokens (at most what ``max_length`` leaves room for), the widths interleaved
+    over ``rounds`` after one uncounted warm-up round: ``{T: [s, ...]}``. The cache is truncated back
+    to the context after each call, so every call sees the same length. Leaves ``model`` holding
+    the context in one row."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.vocab_size, (1, context + max(widths)), generator=gen)  # [1, C + W]
+    context = min(context, model.max_length - max(widths))
+    model.reset(1)
+    model.forward(ids[:, :context], logits="none")
+    back = torch.tensor([context])
+    times: dict[int, list[float]] = {t: [] for t in widths}
+    for r in range(rounds + 1):
+        for t in widths:
+            start = time.perf_counter()
+            model.forward(ids[:, context : context + t], logits=logits)
+            elapsed = time.perf_counter() - start
+            model.truncate(back)
+            if r:  # the first round is warm-up
+                times[t].append(elapsed)
+    return times
+
+
 def measure_steps(
     model: Any, widths: int = STEP_WIDTHS, rounds: int = 5, context: int = STEP_CONTEXT
 ) -> dict[int, list[float]]:
     """Seconds of a greedy step (``logits="argmax"``) of each width 1..``widths`` after ``context``
-    cached tokens, the widths interleaved over ``rounds`` (after one uncounted warm-up round):
-    ``{T: [s, ...]}``. Leaves ``model`` (a kernel ``FastLlama``) empty, for as many rows as before."""
+    cached tokens (:func:`time_forwards`). Leaves ``model`` (a kernel ``FastLlama``) empty, for as
+    many rows as before."""
     batch = model._batch
-    ids = torch.arange(context + widths).remainder(model.vocab_size).view(1, -1)  # [1, context + W]
-    back = torch.tensor([context])
-    times: dict[int, list[float]] = {t: [] for t in range(1, widths + 1)}
     try:
-        model.reset(1)
-        model.forward(ids[:, :context], logits="none")
-        for r in range(rounds + 1):
-            for t in times if r % 2 else reversed(times):
-                start = time.perf_counter()
-                model.forward(ids[:, context : context + t], logits="argmax")
-                if r:
-                    times[t].append(time.perf_counter() - start)
-                model.truncate(back)
+        return time_forwards(model, range(1, widths + 1), context, rounds, "argmax")
     finally:
         model.reset(batch)
-    return times
 
 
 def step_curve(times: dict[int, list[float]]) -> list[float]:
