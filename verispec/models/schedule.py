@@ -220,27 +220,31 @@ def _key(model: Any) -> str:
 
 
 def _cached(
-    key: str,
+    model: Any,
+    prefix: str,
     valid: Callable[[Any], bool],
     choose: Callable[[], T],
     what: str,
     takes: str,
-    room: tuple[Any, int, T] | None = None,
+    *,
+    needs: int,
+    fallback: T,
 ) -> T:
-    """The cached choice under ``key`` if ``valid`` accepts it, else ``choose()``, cached.
+    """The choice cached for ``model`` under ``prefix + _key(model)`` if ``valid`` accepts it, else
+    ``choose()``, cached.
 
     Before measuring it says so on the ``verispec`` logger (``what`` is timed, which ``takes`` about
     so long), since a first run otherwise sits silent for those seconds.
 
-    ``room``: ``(model, tokens, fallback)``: the measurement runs calls of up to ``tokens`` cached
-    tokens, so a model whose ``max_length`` is shorter (``load_model(..., max_length=...)``) cannot
-    run it; it takes a cached choice if there is one, else ``fallback``, measuring and caching
-    nothing (a later load with room measures)."""
+    The measurement runs calls of up to ``needs`` cached tokens: a model whose ``max_length`` is
+    shorter (``load_model(..., max_length=...)``) cannot run it, and takes ``fallback`` where nothing
+    is cached, measuring and caching nothing (a later load with room measures)."""
+    key = prefix + _key(model)
     cached = _read_cache()
     value = cached.get(key)
     if not valid(value):
-        if room is not None and int(room[0].max_length) < room[1]:
-            return room[2]
+        if int(model.max_length) < needs:
+            return fallback
         logger.warning("timing %s on this machine once (%s; cached in %s)", what, takes, _cache_file())
         value = choose()
         _write_cache(cached, key, value)
@@ -265,12 +269,14 @@ def apply(model: Any) -> str:
         name = DEFAULT
     else:
         name = _cached(
-            _key(model),
+            model,
+            "",
             lambda v: v in SCHEDULES,
             lambda: faster(measure(model)),
             f"two ways of reading {model.dtype} weights",
             "about a second",
-            room=(model, MEASURE_CONTEXT + 5, DEFAULT),
+            needs=MEASURE_CONTEXT + 5,
+            fallback=DEFAULT,
         )
     model._kernel.set_schedule(*SCHEDULES[name])
     return name
@@ -351,12 +357,14 @@ def apply_blocks(model: Any) -> int:
         value = type(model).q4_rows
     elif value is None:
         value = _cached(
-            BLOCKS_KEY + _key(model),
+            model,
+            BLOCKS_KEY,
             lambda v: isinstance(v, int) and v >= 1,
             lambda: blocks_crossing(measure_blocks(model)),
             "float32 calls reading the weights' blocks and their float32 copy",
             "about 2 s",
-            room=(model, MEASURE_CONTEXT + max(BLOCK_WIDTHS), type(model).q4_rows),
+            needs=MEASURE_CONTEXT + max(BLOCK_WIDTHS),
+            fallback=type(model).q4_rows,
         )
     model.q4_rows = model.head_q8_rows = value
     model._kernel.set_block_rows(value, value)
@@ -433,12 +441,14 @@ def apply_prefill(model: Any) -> int:
         value = model.kernel_prefill_max.get(model.dtype, 0)
     elif value is None:
         value = _cached(
-            PREFILL_KEY + _key(model),
+            model,
+            PREFILL_KEY,
             lambda v: isinstance(v, int) and v >= 0,
             lambda: measure_crossing(model),
             f"{model.dtype} prompts on the kernel and on the torch path",
             "5-25 s",
-            room=(model, max(PREFILL_SIZES), model.kernel_prefill_max.get(model.dtype, 0)),
+            needs=max(PREFILL_SIZES),
+            fallback=model.kernel_prefill_max.get(model.dtype, 0),
         )
     model.kernel_prefill_max = {**model.kernel_prefill_max, model.dtype: value}
     return value
@@ -506,7 +516,8 @@ def apply_step_costs(model: Any) -> list[float] | None:
         model.step_cost_prior = None
         return None
     curve = _cached(
-        STEPS_KEY + _key(model),
+        model,
+        STEPS_KEY,
         lambda v: (
             isinstance(v, list)
             and len(v) == STEP_WIDTHS
@@ -515,7 +526,8 @@ def apply_step_costs(model: Any) -> list[float] | None:
         lambda: step_curve(measure_steps(model)),
         f"{model.dtype} steps of 1 to {STEP_WIDTHS} tokens",
         "about a second",
-        room=(model, STEP_CONTEXT + STEP_WIDTHS, None),
+        needs=STEP_CONTEXT + STEP_WIDTHS,
+        fallback=None,
     )
     model.step_cost_prior = [float(x) for x in curve] if curve is not None else None
     return model.step_cost_prior
