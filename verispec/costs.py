@@ -170,11 +170,9 @@ class StepCosts:
         """``v(width)`` before this process has measured anything: :attr:`prior` (past its widest
         width, extended at its mean cost per extra token, at least :data:`PRIOR_EXTRA_TOKEN_COST`),
         else :data:`PRIOR_EXTRA_TOKEN_COST` per extra token."""
-        if width <= 1:
-            return 1.0
         prior = self.prior
-        if prior is None:
-            return 1.0 + PRIOR_EXTRA_TOKEN_COST * (width - 1)
+        if width <= 1 or prior is None:
+            return _guess(width)
         if width <= len(prior):
             return prior[width - 1]
         per_token = max(PRIOR_EXTRA_TOKEN_COST, (prior[-1] - 1.0) / (len(prior) - 1))
@@ -219,9 +217,15 @@ class DraftTimes:
         return statistics.median(self._seconds) / step
 
 
+def _guess(width: int) -> float:
+    """``v(width)`` with nothing measured, on this machine or in this process:
+    :data:`PRIOR_EXTRA_TOKEN_COST` per extra token."""
+    return 1.0 + PRIOR_EXTRA_TOKEN_COST * (max(width, 1) - 1)
+
+
 def prior_ratios(widths: int) -> list[float]:
     """The cost curve before any measurement: ``[v(1), ..., v(widths)]``."""
-    return [1.0 + PRIOR_EXTRA_TOKEN_COST * (w - 1) for w in range(1, widths + 1)]
+    return [_guess(w) for w in range(1, widths + 1)]
 
 
 _BY_TARGET: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
