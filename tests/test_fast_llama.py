@@ -1218,3 +1218,47 @@ def test_head_screen_in_chunks_of_rows_is_the_whole_heads(monkeypatch: pytest.Mo
     for key in whole:
         assert torch.equal(whole[key], chunked[key]), key
         assert chunked[key].shape[0] == 50
+
+
+@pytest.mark.parametrize("use_kernel", PATHS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_forward_greedy_is_the_argmax_of_forward(use_kernel: bool, dtype: str) -> None:
+    """``forward_greedy`` (the greedy step's call: Python ints in and out, one kernel call) gives
+    numpy's argmax of ``forward``'s whole logits at every position and advances the same rows:
+    rows out of order, one token and verification-sized lines, and a head with exact duplicate rows
+    (ties: the first) and a NaN row (NaN counts as largest)."""
+    hf = _llama(tie_word_embeddings=False, vocab_size=1024)
+    with torch.no_grad():
+        w = hf.get_output_embeddings().weight
+        w[700::5] = w[300]  # exact duplicates of row 300: its ties
+    ids = torch.randint(0, 1024, (2, 30), generator=torch.Generator().manual_seed(8))
+    ref = FastLlama.from_hf(hf, max_batch_size=2, use_kernel=use_kernel, dtype=dtype)
+    fast = FastLlama.from_hf(hf, max_batch_size=2, use_kernel=use_kernel, dtype=dtype)
+    for m in (ref, fast):
+        m.forward(ids[:1, :9], rows=[0], logits="none")
+        m.forward(ids[1:, :4], rows=[1], logits="none")
+    starts = [9, 4]
+    for width in (1, 5, 1, 3):
+        lines = [
+            ids[1, starts[1] : starts[1] + width].tolist(),
+            ids[0, starts[0] : starts[0] + width].tolist(),
+        ]
+        want = ref.forward(torch.tensor(lines), rows=[1, 0], logits="all").numpy().argmax(-1).tolist()
+        assert fast.forward_greedy(lines, [1, 0]) == want
+        assert fast.lengths.tolist() == ref.lengths.tolist() == [starts[0] + width, starts[1] + width]
+        starts = [s + width for s in starts]
+    # Every row of the head the same: all logits tie, and the argmax is the first.
+    with torch.no_grad():
+        hf.get_output_embeddings().weight.copy_(hf.get_output_embeddings().weight[300].clone())
+    tied = FastLlama.from_hf(hf, use_kernel=use_kernel, dtype=dtype)
+    assert tied.forward_greedy([[1, 2, 3]], [0]) == [[0, 0, 0]]
+    if dtype == "float32":  # a NaN weight row gives a NaN logit, which numpy's argmax picks
+        with torch.no_grad():
+            hf.get_output_embeddings().weight[17] = float("nan")
+        with patch.object(FastLlama, "screen_head", False):
+            nan = FastLlama.from_hf(hf, use_kernel=use_kernel, dtype=dtype)
+        assert nan.forward_greedy([[4, 5]], [0]) == [[17, 17]]
+    with pytest.raises(ValueError):
+        fast.forward_greedy([[1]], [2])
+    with pytest.raises(ValueError):
+        fast.forward_greedy([[1], [2]], [0, 0])

@@ -23,9 +23,9 @@ import torch
 from verispec.config import ConfigError, GenerationConfig, SamplingConfig
 from verispec.costs import StepCosts, best_draft_length, best_tree, costs_for, prior_ratios
 from verispec.detokenize import IncrementalDecoder
-from verispec.models.base import KVModel, LogitsMode
+from verispec.models.base import KVModel
 from verispec.proposers import Proposal, Proposer
-from verispec.rejection import argmax_last, greedy_accept, greedy_verify_tree, rejection_sample
+from verispec.rejection import greedy_accept, greedy_tokens, greedy_verify_tree, rejection_sample
 from verispec.sampling import SamplingTensors, SeededGenerator, logits_to_probs
 from verispec.stats import GenerationStats
 
@@ -205,25 +205,28 @@ class Engine:
         drafted = [0] * len(seqs) if num_draft is None else num_draft.tolist()
         width = max(drafted)
         start = time.perf_counter()
-        pending = torch.tensor([[s.tokens[-1]] for s in seqs])  # [B, 1]
         if tree is not None and any(tree):
             assert proposal is not None and num_draft is not None
+            pending = torch.tensor([[s.tokens[-1]] for s in seqs])  # [B, 1]
             return self._tree_step(seqs, slots, pending, proposal, num_draft, tree, start, context)
-        if width:
-            assert proposal is not None and num_draft is not None
-            draft_tokens = proposal.tokens[:, :width]  # [B, width]
-            draft_probs = None if proposal.probs is None else proposal.probs[:, :width]  # [B, width, V]
-            inputs = torch.cat([pending, draft_tokens], dim=1)  # [B, width + 1]
-        else:
-            draft_tokens, draft_probs, inputs = None, None, pending
-        # Greedy rows read only the argmax: a backend may then skip most of the vocabulary.
-        mode: LogitsMode = "argmax" if params.all_greedy else "all"
-        logits = self.target.forward(inputs, rows=slots, logits=mode)  # [B, width + 1, V]
-        if params.all_greedy:  # greedy_verify, on Python ints
-            best = argmax_last(logits).tolist()  # [B][width + 1]
-            drafts = [[] for _ in seqs] if draft_tokens is None else draft_tokens.tolist()
+        if params.all_greedy:  # greedy_verify, on Python ints; the target reads only the argmax
+            drafts: list[list[int]] = [[] for _ in seqs]  # [B][width]
+            if width:
+                assert proposal is not None
+                drafts = proposal.tokens[:, :width].tolist()
+            lines = [[s.tokens[-1], *d] for s, d in zip(seqs, drafts)]  # [B][width + 1]
+            best = greedy_tokens(self.target, lines, slots)  # [B][width + 1]
             emitted, accepted = greedy_accept(drafts, best, drafted)
         else:
+            pending = torch.tensor([[s.tokens[-1]] for s in seqs])  # [B, 1]
+            if width:
+                assert proposal is not None and num_draft is not None
+                draft_tokens = proposal.tokens[:, :width]  # [B, width]
+                draft_probs = None if proposal.probs is None else proposal.probs[:, :width]  # [B, width, V]
+                inputs = torch.cat([pending, draft_tokens], dim=1)  # [B, width + 1]
+            else:
+                draft_tokens, draft_probs, inputs = None, None, pending
+            logits = self.target.forward(inputs, rows=slots, logits="all")  # [B, width + 1, V]
             if draft_tokens is None:
                 draft_tokens = torch.zeros(len(seqs), 0, dtype=torch.int64)
             target_probs = logits_to_probs(logits, params)

@@ -145,6 +145,17 @@ def argmax_last(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+def greedy_tokens(model, lines: list[list[int]], rows: list[int]) -> list[list[int]]:
+    """Feed ``lines`` (``[n][T]`` token ids, one line per row in ``rows``) to ``model`` and return the
+    index of the largest logit at every position, ``[n][T]`` (the first on ties; NaN counts as
+    largest): the model's own ``forward_greedy`` where it has one (FastLlama's kernel does it in one
+    call on Python ints), else ``forward(..., logits="argmax")`` and :func:`argmax_last`."""
+    own = getattr(model, "forward_greedy", None)
+    if own is not None:
+        return own(lines, rows)
+    return argmax_last(model.forward(torch.tensor(lines), rows=rows, logits="argmax")).tolist()
+
+
 def greedy_accept(
     drafts: list[list[int]], best: list[list[int]], limits: list[int]
 ) -> tuple[list[list[int]], list[int]]:
