@@ -196,18 +196,17 @@ class Engine:
             for s in seqs
         ]
         context = max(len(s.tokens) for s in seqs) - 1  # cached tokens before the step, longest row
-        proposal, num_draft = None, None
+        proposal = None
+        drafted = [0] * len(seqs)  # draft tokens to verify per row
         tree: list[list[tuple[int, int]]] | None = None
         if self.proposer is not None and max(room) > 0:
-            ks = torch.tensor(room, dtype=torch.int64)
-            proposal, num_draft, tree = self._propose(seqs, ks, params, context)
-        # A plain step builds no tensors for its (empty) drafts.
-        drafted = [0] * len(seqs) if num_draft is None else num_draft.tolist()
+            proposal, drafted, tree = self._propose(seqs, room, params, context)
         width = max(drafted)
         start = time.perf_counter()
         if tree is not None and any(tree):
-            assert proposal is not None and num_draft is not None
+            assert proposal is not None
             pending = torch.tensor([[s.tokens[-1]] for s in seqs])  # [B, 1]
+            num_draft = torch.tensor(drafted, dtype=torch.int64)
             return self._tree_step(seqs, slots, pending, proposal, num_draft, tree, start, context)
         if params.all_greedy:  # greedy_verify, on Python ints; the target reads only the argmax
             drafts: list[list[int]] = [[] for _ in seqs]  # [B][width]
@@ -220,7 +219,7 @@ class Engine:
         else:
             pending = torch.tensor([[s.tokens[-1]] for s in seqs])  # [B, 1]
             if width:
-                assert proposal is not None and num_draft is not None
+                assert proposal is not None
                 draft_tokens = proposal.tokens[:, :width]  # [B, width]
                 draft_probs = None if proposal.probs is None else proposal.probs[:, :width]  # [B, width, V]
                 inputs = torch.cat([pending, draft_tokens], dim=1)  # [B, width + 1]
@@ -232,7 +231,7 @@ class Engine:
             target_probs = logits_to_probs(logits, params)
             if draft_probs is not None:
                 draft_probs = draft_probs.to(target_probs.dtype)
-            limits = torch.zeros(len(seqs), dtype=torch.int64) if num_draft is None else num_draft
+            limits = torch.tensor(drafted, dtype=torch.int64)
             verdict = rejection_sample(draft_tokens, draft_probs, target_probs, limits, gens)
             accepted = verdict.num_accepted.tolist()
             emitted = [tokens[: a + 1] for tokens, a in zip(verdict.tokens.tolist(), accepted)]
@@ -320,11 +319,14 @@ class Engine:
         )
 
     def _propose(
-        self, seqs: list[SequenceState], ks: torch.Tensor, params: SamplingTensors, context: int
-    ) -> tuple[Proposal, torch.Tensor, list[list[tuple[int, int]]] | None]:
-        """Draft for the rows with ``ks > 0`` only, scattered back to the whole batch.
+        self, seqs: list[SequenceState], ks: list[int], params: SamplingTensors, context: int
+    ) -> tuple[Proposal, list[int], list[list[tuple[int, int]]] | None]:
+        """Draft for the rows with ``ks > 0`` (the most draft tokens each row may take) only,
+        scattered back to the whole batch.
 
-        Returns a :class:`Proposal` over all B rows, ``num_draft`` ``[B]`` and, when the drafter
+        Returns a :class:`Proposal` over all B rows, the draft tokens to verify per row (``[B]``,
+        cut by cost; the bookkeeping stays on Python ints: after a forward has streamed the weights
+        through every cache level each small torch operation costs 20-60 us) and, when the drafter
         gave alternatives and the step can verify a tree (all rows greedy, a target that takes
         ``offsets``), the alternatives chosen per row (``(i, s)`` pairs, see
         :func:`~verispec.costs.best_tree`), else None; costs are read at ``context`` cached tokens
@@ -332,21 +334,21 @@ class Engine:
         batch policy) starts its drafter here.
         """
         assert self.proposer is not None
-        rows = [i for i, k in enumerate(ks.tolist()) if k > 0]
+        rows = [i for i, k in enumerate(ks) if k > 0]
         for i in rows:
             if not seqs[i].drafting:
                 self.proposer.start(seqs[i].slot, seqs[i].tokens)
                 seqs[i].drafting = True
         every = len(rows) == len(seqs)  # the common case: no subsets to build
-        sub_ks = ks if every else ks[rows]
+        sub_ks = ks if every else [ks[i] for i in rows]
         sub = self.proposer.propose(
             [seqs[i].slot for i in rows],
             [seqs[i].tokens for i in rows],
-            sub_ks,
+            torch.tensor(sub_ks, dtype=torch.int64),
             params if every else params.select(rows),
             [seqs[i].generator for i in rows],
         )
-        sub_num = torch.minimum(sub.num_draft, sub_ks)
+        sub_num = [min(n, k) for n, k in zip(sub.num_draft.tolist(), sub_ks)]
         for i in rows:
             seqs[i].cut_by_cost = sub.accept_probs is not None
         sub_tree = None
@@ -382,18 +384,20 @@ class Engine:
         if sub.probs is not None:
             probs = sub.probs.new_zeros(len(seqs), *sub.probs.shape[1:])
             probs[index] = sub.probs
-        num_draft = torch.zeros(len(seqs), dtype=torch.int64)
-        num_draft[index] = sub_num
+        drafted = [0] * len(seqs)
+        for i, n in zip(rows, sub_num):
+            drafted[i] = n
+        num_draft = torch.tensor(drafted, dtype=torch.int64)
         alternatives = None
         if sub.alternatives is not None:
             alternatives = torch.full((len(seqs), *sub.alternatives.shape[1:]), -1, dtype=torch.int64)
             alternatives[index] = sub.alternatives
         merged = Proposal(tokens=tokens, probs=probs, num_draft=num_draft, alternatives=alternatives)
-        return merged, num_draft, tree
+        return merged, drafted, tree
 
     def _worth_verifying_tree(
-        self, seqs: list[SequenceState], proposal: Proposal, num_draft: torch.Tensor, batch: int, context: int
-    ) -> tuple[torch.Tensor, list[list[tuple[int, int]]]]:
+        self, seqs: list[SequenceState], proposal: Proposal, num_draft: list[int], batch: int, context: int
+    ) -> tuple[list[int], list[list[tuple[int, int]]]]:
         """Per row, the chain length and the alternatives beside it worth verifying at this target's
         measured cost (:func:`~verispec.costs.best_tree`); ``num_draft`` ``[n]`` caps the chain, and
         the tree never reaches past the context."""
@@ -403,7 +407,7 @@ class Engine:
         alts = proposal.alternatives.tolist()
         alt_probs = proposal.alternative_probs.tolist()
         per_row = []
-        for row, n in enumerate(num_draft.tolist()):
+        for row, n in enumerate(num_draft):
             # An empty slot (-1) counts as an alternative that never hits: best_tree drops it.
             options = [
                 [q if t >= 0 else 0.0 for t, q in zip(alts[row][i], alt_probs[row][i], strict=True)]
@@ -414,14 +418,14 @@ class Engine:
         room = min(self.target.max_length - len(s.tokens) for s in seqs)  # cache positions left
         nodes = max(0, min(nodes, room, getattr(self.target, "kernel_max_tokens", 16) - 1))
         curve = self.costs.ratios(nodes + 1, batch, context)
-        out = num_draft.clone()
+        out = list(num_draft)
         tree = []
         for row, (n, options) in enumerate(per_row):
             out[row], picks = best_tree(accept[row][:n], options, curve)
             tree.append(picks)
         # Rows share one call of 1 + widest chain + most alternatives tokens: where that would pass
         # the limit (the context, the kernel's bitwise-exact widths), the chains go alone.
-        if max(out.tolist(), default=0) + max(map(len, tree), default=0) > nodes:
+        if max(out, default=0) + max(map(len, tree), default=0) > nodes:
             tree = [[] for _ in tree]
         return out, tree
 
@@ -429,11 +433,11 @@ class Engine:
         self,
         seqs: list[SequenceState],
         accept_probs: torch.Tensor,
-        num_draft: torch.Tensor,
+        num_draft: list[int],
         batch: int,
         context: int,
         sampled: bool = False,
-    ) -> torch.Tensor:
+    ) -> list[int]:
         """Cut each row's draft (``accept_probs`` ``[n, k]``, ``num_draft`` ``[n]``) to the length
         with the most expected tokens per unit of this target's measured step cost at ``context``
         cached tokens; 0 where no draft pays for its verification. ``sampled``: the drafter drew its
@@ -444,10 +448,10 @@ class Engine:
         from run to run, and a different draft length consumes its random numbers differently, so
         only a cut that does not depend on the clock lets the seed reproduce the response.
         """
-        limits = num_draft.tolist()
+        limits = num_draft
         widest = max(limits, default=0)
         if widest == 0:
-            return num_draft
+            return list(limits)
         accept = accept_probs.tolist()
         curves: dict[bool, list[float]] = {}  # built once per step, and only the ones a row needs
         out = list(limits)
@@ -459,7 +463,7 @@ class Engine:
                     curves[fixed] = prior_ratios(width) if fixed else self.costs.ratios(width, batch, context)
                 lookahead = not (sampled and not seq.config.sampling.greedy)
                 out[row] = best_draft_length(accept[row][:n], curves[fixed], lookahead=lookahead)
-        return torch.tensor(out, dtype=torch.int64)
+        return out
 
     def _commit(
         self, seq: SequenceState, emitted: list[int], flags: list[bool]

@@ -434,14 +434,15 @@ class PromptLookup:
         """Point-mass proposals copied from earlier in each row's own tokens, with their estimated
         chances of acceptance."""
         batch = len(slots)
-        k = int(num_tokens.max()) if batch else 0
+        wants = num_tokens.tolist()  # [batch]
+        k = max(wants, default=0)
         if k == 0:
             return _empty(batch)
         # Filled as arrays, one tensor each at the end: a torch call per row costs more than the row.
         tokens = np.zeros((batch, k), dtype=np.int64)
         accept = np.zeros((batch, k), dtype=np.float32)
         num_draft = np.zeros(batch, dtype=np.int64)
-        for row, (slot, toks, want) in enumerate(zip(slots, committed, num_tokens.tolist())):
+        for row, (slot, toks, want) in enumerate(zip(slots, committed, wants)):
             self._stats.learn(slot, toks)
             buffer = self._buffers.get(slot)
             if buffer is None:
