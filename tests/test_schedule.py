@@ -356,3 +356,43 @@ def test_a_model_too_short_for_a_measurement_takes_the_cache_or_the_default(
     assert schedule.apply_prefill(again) == 128
     assert schedule.apply_step_costs(again) == pytest.approx(roomy.step_cost_prior)
     assert (len(timed), len(prefill_timed), len(blocks_timed), len(steps_timed)) == (1, 1, 1, 1)
+
+
+class _Counted:
+    """A model of one row that records each call's kind, width and starting length."""
+
+    vocab_size = 50
+    max_length = 64
+
+    def __init__(self) -> None:
+        self.length = 0
+        self.calls: list[tuple[str, int, int]] = []
+
+    def reset(self, batch_size: int) -> None:
+        self.length = 0
+
+    def forward(self, input_ids, rows=None, logits="all"):
+        self.calls.append((logits, input_ids.shape[1], self.length))
+        self.length += input_ids.shape[1]
+
+    def truncate(self, lengths, rows=None) -> None:
+        self.length = int(lengths[0])
+
+
+class _CountedGreedy(_Counted):
+    def forward_greedy(self, lines: list[list[int]], rows: list[int]) -> list[list[int]]:
+        self.calls.append(("greedy", len(lines[0]), self.length))
+        self.length += len(lines[0])
+        return [[0] * len(lines[0])]
+
+
+def test_time_forwards_greedy_times_the_greedy_steps_own_call() -> None:
+    """``logits="greedy"`` times ``forward_greedy`` where the model has one (what the engine calls
+    for a greedy step), else ``forward(..., "argmax")``; every call starts at the same length."""
+    fast = _CountedGreedy()
+    times = schedule.time_forwards(fast, [1, 3], 20, 2, "greedy")
+    assert sorted(times) == [1, 3] and all(len(v) == 2 for v in times.values())
+    assert fast.calls == [("none", 20, 0)] + [("greedy", 1, 20), ("greedy", 3, 20)] * 3  # warm-up + 2
+    plain = _Counted()
+    schedule.time_forwards(plain, [2], 10, 1, "greedy")
+    assert plain.calls == [("none", 10, 0), ("argmax", 2, 10), ("argmax", 2, 10)]

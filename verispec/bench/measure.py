@@ -131,13 +131,14 @@ def forward_seconds(
 ) -> dict[int, float]:
     """Median seconds of one ``forward`` of T new tokens after ``context`` cached tokens, per T in ``tokens``.
 
-    ``greedy``: the calls ask for what greedy verification reads (``logits="argmax"``), else all logits.
+    ``greedy``: the call greedy verification makes (``forward_greedy`` where the model has it, else
+    ``logits="argmax"``), else all logits.
 
     The cache is truncated back to ``context`` after each call, so every call sees the same length;
     the T values are interleaved within each repetition so drift hits them alike
     (:func:`verispec.models.schedule.time_forwards`).
     """
-    times = time_forwards(model, tokens, context, reps, "argmax" if greedy else "all")  # as verification asks
+    times = time_forwards(model, tokens, context, reps, "greedy" if greedy else "all")  # as verification asks
     return {t: statistics.median(v) for t, v in times.items()}
 
 

@@ -100,9 +100,11 @@ AVX-512 redone (one-token step on a Zen 3 EPYC about 30% faster)."""
 BLOCK_WIDTHS = (2, 4, 6, 8, 10, 12, 14, 16)
 """Call widths :func:`measure_blocks` times: decoding, verification of 1-15 drafts."""
 
-STEPS_KEY = "steps-v1|"
+STEPS_KEY = "steps-v2|"
 """Prefix of the cached step-cost curves' keys (:func:`apply_step_costs`); changed whenever the
-kernel's cost by call width changes, so that every machine measures again."""
+kernel's cost by call width changes, so that every machine measures again. v2 (session 30): one-row
+int8 passes prefetch (a one-token step about 10% faster on a Zen 3 EPYC), and the curve times the
+greedy step's own call (``forward_greedy``), without the tensors around ``forward``."""
 STEP_WIDTHS = 9
 """Widths :func:`measure_steps` times: 1 to 9 tokens, verifying up to 8 drafts."""
 STEP_CONTEXT = 128
@@ -462,7 +464,10 @@ def time_forwards(
     ``context`` cached tokens (at most what ``max_length`` leaves room for), the widths interleaved
     over ``rounds`` after one uncounted warm-up round: ``{T: [s, ...]}``. The cache is truncated back
     to the context after each call, so every call sees the same length. Leaves ``model`` holding
-    the context in one row."""
+    the context in one row.
+
+    ``logits="greedy"`` times the call a greedy step makes: the model's ``forward_greedy`` where it
+    has one (the kernel's argmax on Python ints), else ``forward(..., logits="argmax")``."""
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.vocab_size, (1, context + max(widths)), generator=gen)  # [1, C + W]
     context = min(context, model.max_length - max(widths))
@@ -470,10 +475,16 @@ def time_forwards(
     model.forward(ids[:, :context], logits="none")
     back = torch.tensor([context])
     times: dict[int, list[float]] = {t: [] for t in widths}
+    greedy = getattr(model, "forward_greedy", None) if logits == "greedy" else None
+    mode = "argmax" if logits == "greedy" else logits
+    lines = {t: [ids[0, context : context + t].tolist()] for t in widths}
     for r in range(rounds + 1):
         for t in widths:
             start = time.perf_counter()
-            model.forward(ids[:, context : context + t], logits=logits)
+            if greedy is not None:
+                greedy(lines[t], [0])
+            else:
+                model.forward(ids[:, context : context + t], logits=mode)
             elapsed = time.perf_counter() - start
             model.truncate(back)
             if r:  # the first round is warm-up
@@ -484,12 +495,12 @@ def time_forwards(
 def measure_steps(
     model: Any, widths: int = STEP_WIDTHS, rounds: int = 5, context: int = STEP_CONTEXT
 ) -> dict[int, list[float]]:
-    """Seconds of a greedy step (``logits="argmax"``) of each width 1..``widths`` after ``context``
-    cached tokens (:func:`time_forwards`). Leaves ``model`` (a kernel ``FastLlama``) empty, for as
-    many rows as before."""
+    """Seconds of a greedy step's call (``forward_greedy``) of each width 1..``widths`` after
+    ``context`` cached tokens (:func:`time_forwards`). Leaves ``model`` (a kernel ``FastLlama``)
+    empty, for as many rows as before."""
     batch = model._batch
     try:
-        return time_forwards(model, range(1, widths + 1), context, rounds, "argmax")
+        return time_forwards(model, range(1, widths + 1), context, rounds, "greedy")
     finally:
         model.reset(batch)
 
