@@ -448,14 +448,13 @@ class Engine:
         from run to run, and a different draft length consumes its random numbers differently, so
         only a cut that does not depend on the clock lets the seed reproduce the response.
         """
-        limits = num_draft
-        widest = max(limits, default=0)
+        out = list(num_draft)
+        widest = max(out, default=0)
         if widest == 0:
-            return list(limits)
+            return out
         accept = accept_probs.tolist()
         curves: dict[bool, list[float]] = {}  # built once per step, and only the ones a row needs
-        out = list(limits)
-        for row, (seq, n) in enumerate(zip(seqs, limits)):
+        for row, (seq, n) in enumerate(zip(seqs, num_draft)):
             if n:
                 fixed = seq.config.seed is not None and not seq.config.sampling.greedy
                 if fixed not in curves:

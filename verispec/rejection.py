@@ -151,9 +151,15 @@ def greedy_tokens(model, lines: list[list[int]], rows: list[int]) -> list[list[i
     largest): the model's own ``forward_greedy`` where it has one (FastLlama's kernel does it in one
     call on Python ints), else ``forward(..., logits="argmax")`` and :func:`argmax_last`."""
     own = getattr(model, "forward_greedy", None)
-    if own is not None:
-        return own(lines, rows)
-    return argmax_last(model.forward(torch.tensor(lines), rows=rows, logits="argmax")).tolist()
+    return own(lines, rows) if own is not None else forward_argmax(model, lines, rows)
+
+
+def forward_argmax(model, lines: list[list[int]], rows: list[int]) -> list[list[int]]:
+    """:func:`greedy_tokens` through the model's ``forward(..., logits="argmax")`` and
+    :func:`argmax_last`: for models without a ``forward_greedy``, and for the calls theirs leaves to
+    ``forward``."""
+    logits = model.forward(torch.tensor(lines, dtype=torch.int64), rows=rows, logits="argmax")
+    return argmax_last(logits).tolist()
 
 
 def greedy_accept(

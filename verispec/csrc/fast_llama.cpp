@@ -2188,9 +2188,10 @@ class FastLlamaKernel {
     const at::Tensor logits = forward(at::from_blob(ids.data(), {M}, opts), at::from_blob(slots.data(), {M}, opts),
                                       at::from_blob(pos.data(), {M}, opts), at::arange(M, opts), std::nullopt, true);
     const int64_t V = logits.size(1);
+    const float* all = logits.data_ptr<float>();
     std::vector<int64_t> best(M, 0);
     for (int64_t m = 0; m < M; ++m) {
-      const float* row = logits.data_ptr<float>() + m * V;
+      const float* row = all + m * V;
       float top = row[0];
       if (std::isnan(top)) continue;
       for (int64_t j = 1; j < V; ++j) {

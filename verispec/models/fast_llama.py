@@ -85,6 +85,7 @@ from verispec.models import schedule
 from verispec.models.base import LogitsMode, logit_rows, tensor_bytes
 from verispec.models.pages import huge_page_bytes
 from verispec.models.threads import ThreadTuner
+from verispec.rejection import forward_argmax
 
 logger = logging.getLogger(__name__)
 
@@ -1019,8 +1020,7 @@ class FastLlama:
             or len(lines) != n
             or any(len(line) != T for line in lines)
         ):
-            out = self.forward(torch.tensor(lines, dtype=torch.int64), rows=rows, logits="argmax")
-            return out.numpy().argmax(axis=-1).tolist() if out is not None else [[] for _ in rows]
+            return forward_argmax(self, lines, rows)
         self._check_rows(rows)
         starts = [int(self._lengths[r]) for r in rows]
         if max(starts) + T > self.max_length:
