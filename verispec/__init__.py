@@ -3,6 +3,7 @@
 from verispec.api import GenerationResult, generate, speculative_generate
 from verispec.config import ConfigError, GenerationConfig, SamplingConfig
 from verispec.models.loading import load_model
+from verispec.ngrams import NgramLookup
 from verispec.proposers import DraftModelProposer, PromptLookup, Proposer
 from verispec.stats import GenerationStats
 from verispec.tokenizers import TokenizerMismatchError
@@ -13,6 +14,7 @@ __all__ = [
     "GenerationConfig",
     "GenerationResult",
     "GenerationStats",
+    "NgramLookup",
     "PromptLookup",
     "Proposer",
     "SamplingConfig",

@@ -1,4 +1,4 @@
-"""The ``verispec`` command: generate, bench, tune, serve, distill.
+"""The ``verispec`` command: generate, bench, tune, serve, distill, ngrams.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
 this file only wires them. User errors (:class:`~verispec.config.ConfigError`) print one line and
@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "tune": ("verispec.bench.tune", "measure draft cost and acceptance, and pick k"),
     "serve": ("verispec.entrypoints.openai.api_server", "OpenAI-compatible server"),
     "distill": ("verispec.distill.cli", "train a small draft for a target"),
+    "ngrams": ("verispec.commands.ngrams", "build an n-gram table of a target's own answers"),
 }
 
 

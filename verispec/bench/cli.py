@@ -27,6 +27,7 @@ from verispec.bench.measure import (
     machine_info,
     memory_bandwidth,
     predicted_speedup_by_length,
+    table_seconds,
     verify_costs,
     weight_bytes,
 )
@@ -64,6 +65,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--draft-model",
         default=None,
         help="draft for draft-model and hf-assisted (default: the shipped draft, if any)",
+    )
+    p.add_argument(
+        "--ngrams",
+        default=None,
+        metavar="DIR",
+        help="n-gram table for lookup+ngrams (default: the one shipped for the target, if any)",
     )
     p.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma list from: {DEFAULT_METHODS}")
     p.add_argument(
@@ -211,6 +218,18 @@ def _draft(args: argparse.Namespace, target, notes: list[str]):
     return proposer
 
 
+def _ngrams(args: argparse.Namespace, target, notes: list[str]):
+    """``(table, meta)`` behind the lookup+ngrams rows: ``--ngrams DIR`` or the shipped table."""
+    from verispec.ngrams import load_table, shipped_table_for
+
+    if args.ngrams is not None:
+        return load_table(Path(args.ngrams).expanduser(), target)
+    found = shipped_table_for(target)
+    if found is None:
+        notes.append("no --ngrams given and no n-gram table shipped for this target: lookup+ngrams skipped")
+    return found
+
+
 def run(args: argparse.Namespace) -> int:
     """Validate, load, measure costs, run interleaved, write results."""
     methods, ks, dtypes = parse_options(args)
@@ -244,6 +263,11 @@ def run(args: argparse.Namespace) -> int:
         elif "hf-assisted" in methods and getattr(_draft_kv(draft), "hf_model", None) is None:
             notes.append("the draft is no transformers model (a distilled draft): hf-assisted skipped")
             methods.remove("hf-assisted")
+    ngrams = None
+    if "lookup+ngrams" in methods:
+        ngrams = _ngrams(args, main, notes)
+        if ngrams is None:
+            methods = [m for m in methods if m != "lookup+ngrams"]
     llama = None
     if {"llama.cpp", "llama.cpp-prompt-lookup"} & set(methods):
         kind, where = resolve(args.model)
@@ -277,6 +301,11 @@ def run(args: argparse.Namespace) -> int:
         None if draft is None else getattr(_draft_kv(draft), "hf_model", None),
     )
     lookup = PromptLookup()
+    table_lookup = None
+    if ngrams is not None:
+        from verispec.ngrams import NgramLookup
+
+        table_lookup = NgramLookup(ngrams[0], ngrams[1]["prior"])
     proposers = {}
     for d in targets:
         if isinstance(draft, DraftModelProposer):
@@ -296,6 +325,8 @@ def run(args: argparse.Namespace) -> int:
                 targets[d], kv
             )
         proposers[("prompt-lookup", d, False)] = proposers[("prompt-lookup", d, True)] = lookup
+        if table_lookup is not None:
+            proposers[("lookup+ngrams", d, False)] = proposers[("lookup+ngrams", d, True)] = table_lookup
         if draft is not None:  # the default drafter: lookup first, the draft where lookup has nothing
             from verispec.costs import costs_for
             from verispec.lookup_first import LookupFirst
@@ -325,6 +356,9 @@ def run(args: argparse.Namespace) -> int:
     for d, t in targets.items():
         step = forward_seconds(t, [1], greedy=sampling.greedy)[1]
         draft_cost[("prompt-lookup", d)] = lookup_seconds(lookup) / step
+        if table_lookup is not None:
+            both = lookup_seconds(lookup) + table_seconds(table_lookup.table)
+            draft_cost[("lookup+ngrams", d)] = both / step
         if isinstance(draft, DraftModelProposer):
             draft_cost[("draft-model", d)] = forward_seconds(draft.model, [1])[1] / step
 

@@ -178,6 +178,13 @@ def lookup_seconds(lookup, length: int = 600, k: int = 4, reps: int = 21) -> flo
     return _median_seconds(lambda: lookup.lookup(seq, k), reps)
 
 
+def table_seconds(table, length: int = 600, k: int = 4, reps: int = 21) -> float:
+    """Median seconds of one n-gram table draft (:meth:`verispec.ngrams.NgramTable.draft`) of ``k``
+    tokens after a ``length``-token history of the table's own tokens (so that it finds them)."""
+    seq = [t for s in table.sequences for t in s][:length] or [0]
+    return _median_seconds(lambda: table.draft(seq, k), reps)
+
+
 def conditional_acceptance(stats: GenerationStats) -> float:
     """Per-token acceptance ``a``: accepted draft tokens over draft tokens whose predecessors were all
     accepted (what the i.i.d. model means by a; ``stats.acceptance_rate`` divides by all drafted)."""

@@ -16,13 +16,14 @@ from verispec.config import GenerationConfig, SamplingConfig
 from verispec.proposers import Proposer
 from verispec.stats import GenerationStats
 
-OURS = ("autoregressive", "draft-model", "prompt-lookup", "lookup+draft")
+OURS = ("autoregressive", "draft-model", "prompt-lookup", "lookup+draft", "lookup+ngrams")
 PEERS = ("hf-generate", "hf-prompt-lookup", "hf-assisted", "llama.cpp", "llama.cpp-prompt-lookup")
 METHODS = OURS + PEERS
 SPECULATIVE = (
     "draft-model",
     "prompt-lookup",
     "lookup+draft",
+    "lookup+ngrams",
     "hf-prompt-lookup",
     "hf-assisted",
     "llama.cpp-prompt-lookup",
@@ -32,6 +33,7 @@ BASELINE = {
     "draft-model": "autoregressive",
     "prompt-lookup": "autoregressive",
     "lookup+draft": "autoregressive",
+    "lookup+ngrams": "autoregressive",
     "hf-generate": "hf-generate",
     "hf-prompt-lookup": "hf-generate",
     "hf-assisted": "hf-generate",

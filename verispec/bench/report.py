@@ -183,7 +183,7 @@ def _save(fig, ax, path: Path, ncol: int = 1) -> Path:
     """Add a legend when something was drawn, write the PNG and free the figure."""
     import matplotlib.pyplot as plt
 
-    if ax.lines or ax.patches:
+    if ax.get_legend_handles_labels()[0]:  # something drawn with a label
         ax.legend(fontsize=7, ncol=ncol)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -24,6 +24,15 @@ def add_model_arguments(p: argparse.ArgumentParser, *, draft_flag: str = "--draf
         "--prompt-lookup", action="store_true", help="draft by n-gram prompt lookup (no second model)"
     )
     p.add_argument(
+        "--ngrams",
+        nargs="?",
+        const="default",
+        default=None,
+        metavar="DIR",
+        help="draft by prompt lookup plus an n-gram table of the target's own answers "
+        "(the shipped table, or one made by `verispec ngrams`)",
+    )
+    p.add_argument(
         "--num-speculative-tokens", "-k", type=int, default=4, help="draft length k (0 = plain decoding)"
     )
     p.add_argument(
@@ -62,8 +71,18 @@ def check_model_arguments(args: argparse.Namespace) -> None:
     """Checks that need no model, done before any loading."""
     if args.num_speculative_tokens < 0:
         raise ConfigError(f"--num-speculative-tokens must be >= 0, got {args.num_speculative_tokens}")
-    if args.prompt_lookup and args.draft_model:
-        raise ConfigError("choose one drafter: --prompt-lookup or a draft model, not both")
+    drafters = (
+        ("--prompt-lookup", args.prompt_lookup),
+        ("a draft model", args.draft_model),
+        ("--ngrams", getattr(args, "ngrams", None)),
+    )
+    named = [flag for flag, on in drafters if on]
+    if len(named) > 1:
+        raise ConfigError(f"choose one drafter: {' or '.join(named)}, not both")
+    if getattr(args, "ngrams", None) not in (None, "default"):
+        from verispec.ngrams import read_meta
+
+        read_meta(Path(args.ngrams).expanduser())  # a clear error before any model loads
     from verispec.models.loading import resolve
 
     resolve(args.model)  # raises ModelNotFoundError with a clear message

@@ -21,10 +21,13 @@ def build_proposer(
     max_batch_size: int = 1,
     dtype: str = "float32",
     backend: str = "auto",
+    ngrams: str | None = None,
 ) -> Proposer:
     """The proposer named by the options.
 
-    ``--draft-model default`` is the trained draft shipped for the target. With no drafter named, the
+    ``--draft-model default`` is the trained draft shipped for the target; ``ngrams`` (``--ngrams``)
+    is prompt lookup plus an n-gram table of the target's own answers ("default": the one shipped
+    for the target, else a folder made by ``verispec ngrams``). With no drafter named, the
     default drafter is :class:`~verispec.lookup_first.LookupFirst` over the shipped draft (prompt
     lookup where it has a good match, the trained draft elsewhere), or prompt lookup alone for a
     target with no shipped draft, an int8 target and a target on the C++ kernel
@@ -34,6 +37,10 @@ def build_proposer(
 
     if prompt_lookup:
         return PromptLookup()
+    if ngrams is not None:
+        from verispec.ngrams import NgramLookup
+
+        return NgramLookup.for_target(target, None if ngrams == "default" else Path(ngrams).expanduser())
     if draft_model is None and lookup_alone_pays(target):
         log.info("drafting by prompt lookup alone: on this target a draft model costs more than it saves")
         return PromptLookup()

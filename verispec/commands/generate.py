@@ -60,7 +60,12 @@ def run(args: argparse.Namespace) -> int:
     proposer = None
     if config.num_speculative_tokens > 0:
         proposer = build_proposer(
-            target, args.draft_model, args.prompt_lookup, dtype=args.dtype, backend=args.backend
+            target,
+            args.draft_model,
+            args.prompt_lookup,
+            dtype=args.dtype,
+            backend=args.backend,
+            ngrams=args.ngrams,
         )
     prompt = encode_prompt(target.tokenizer, args.prompt, chat=target.instruct and not args.raw)
     color = sys.stdout.isatty() if args.color is None else args.color

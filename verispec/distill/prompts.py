@@ -216,8 +216,27 @@ TRANSLATE_SRC = [
 ]
 
 
+CATEGORIES = (
+    "writing",
+    "roleplay",
+    "reasoning",
+    "math",
+    "coding",
+    "stem",
+    "humanities",
+    "qa",
+    "math_reasoning",
+    "translation",
+    "summarization",
+    "extraction",
+    "rag",
+)
+"""The categories :func:`prompts_for` cycles over, in order: prompt i is of ``CATEGORIES[i % 13]``."""
+
+
 def prompts_for(count: int, passages: list[str], seed: int = 0) -> list[str]:
-    """``count`` prompts cycling over the categories, with slots filled at random (deterministic)."""
+    """``count`` prompts cycling over the :data:`CATEGORIES`, with slots filled at random
+    (deterministic)."""
     rng = random.Random(seed)
 
     def fill(template: str) -> str:
@@ -269,4 +288,5 @@ def prompts_for(count: int, passages: list[str], seed: int = 0) -> list[str]:
             )
         ),
     ]
+    assert len(makers) == len(CATEGORIES)
     return [makers[i % len(makers)]() for i in range(count)]

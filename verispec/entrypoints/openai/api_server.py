@@ -114,6 +114,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
             max_batch_size=args.max_num_seqs,
             dtype=args.dtype,
             backend=args.backend,
+            ngrams=getattr(args, "ngrams", None),
         )
     tok = target.tokenizer
     engine = Engine(
