@@ -12,6 +12,11 @@ later ones (``--skip 5``).
     python benchmarks/lookup_rule.py generate --dtype int8 --skip 5 --per-category 4 --out /tmp/lr_int8.json
     python benchmarks/lookup_rule.py replay /tmp/lr_int8.json --cost int8 --rules 4/1,4/1.5
     python benchmarks/lookup_rule.py replay /tmp/lr_int8.json --cost int8-zen3 --rules 4/1/vote2 --adaptive
+    python benchmarks/lookup_rule.py replay /tmp/lr_int8.json --cost int8-zen3 --rules 4/1/vote2 \
+        --ngrams default
+
+``--ngrams DIR`` (``default``: the table shipped for the default model) adds a column for prompt
+lookup with an n-gram table of the target's answers beside it (:class:`verispec.ngrams.NgramLookup`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from verispec.costs import best_draft_length
+from verispec.ngrams import NgramLookup, load_table, shipped_table_for
 from verispec.proposers import PromptLookup
 from verispec.sampling import SamplingConfig, SamplingTensors
 
@@ -74,7 +80,7 @@ def generate(args: argparse.Namespace) -> None:
 
 
 def replay_one(
-    make: Callable[[], PromptLookup],
+    make: Callable[[], PromptLookup | NgramLookup],
     prompt: list[int],
     output: list[int],
     costs: Sequence[float],
@@ -125,11 +131,11 @@ def replay_one(
     return cost, drafted, accepted
 
 
-def rules(specs: str) -> dict[str, tuple[Callable[[], PromptLookup], float]]:
+def rules(specs: str) -> dict[str, tuple[Callable[[], PromptLookup | NgramLookup], float]]:
     """Rules named ``prior_weight/extra_cost_weight[/voteN]`` (:class:`PromptLookup`'s prior weight,
     :func:`best_draft_length`'s weight on extra cost, and N for :attr:`PromptLookup.vote_below`),
     comma-separated."""
-    out: dict[str, tuple[Callable[[], PromptLookup], float]] = {}
+    out: dict[str, tuple[Callable[[], PromptLookup | NgramLookup], float]] = {}
     for spec in specs.split(","):
         parts = spec.split("/")
         w, x = float(parts[0]), float(parts[1])
@@ -142,6 +148,9 @@ def replay(args: argparse.Namespace) -> None:
     data = json.load(open(args.data))
     costs = COST_CURVES[args.cost]
     rules_ = rules(args.rules)
+    if args.ngrams:
+        table, meta = ngram_table(args.ngrams)
+        rules_["ngrams"] = (lambda: NgramLookup(table, meta["prior"]), 1.0)
     cats = list(dict.fromkeys(r["category"] for r in data["rows"]))
     print(f"{'category':>15}" + "".join(f"{n:>11}" for n in rules_))
     totals = {n: [0.0, 0] for n in rules_}
@@ -176,6 +185,18 @@ def replay(args: argparse.Namespace) -> None:
     print(f"{'worst':>15}" + "".join(f"{worst[n]:11.3f}" for n in rules_))
 
 
+def ngram_table(where: str):
+    """``(table, meta)`` of ``--ngrams``: a folder, or ``default`` for the default model's."""
+    if where != "default":
+        return load_table(where)
+    import verispec
+
+    found = shipped_table_for(verispec.load_model("default"))
+    if found is None:
+        raise SystemExit("no n-gram table is shipped for the default model")
+    return found
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -200,6 +221,7 @@ def main() -> None:
         "--misjudged", type=float, default=0.0, help="true cost per drafted token above what the rule sees"
     )
     r.add_argument("--adaptive", action="store_true", help="the draft cap adapts from k (as --adaptive does)")
+    r.add_argument("--ngrams", default=None, help="also replay lookup with this n-gram table ('default')")
     args = p.parse_args()
     generate(args) if args.cmd == "generate" else replay(args)
 

@@ -19,8 +19,8 @@ from verispec.ngrams import (
     SHARE_EDGES,
     NgramLookup,
     NgramTable,
-    _hash,
     _hash_columns,
+    _hashes,
     expected_accepted,
     load_table,
     save_table,
@@ -33,13 +33,14 @@ GREEDY = SamplingTensors.from_configs([SamplingConfig(temperature=0.0)])
 PRIOR = [0.1, 0.2, 0.4, 0.5, 0.6, 0.8, 0.9]
 
 
-def test_hash_of_one_context_is_the_hash_of_its_column():
+def test_keys_of_one_context_are_those_of_its_columns():
     rng = np.random.default_rng(0)
+    ctx = rng.integers(0, 262_144, size=(50, 4))  # ids beyond 2^16 as well
     for n in (1, 2, 4):
-        ctx = rng.integers(0, 262_144, size=(50, n))  # ids beyond 2^16 as well
-        columns = _hash_columns([ctx[:, j] for j in range(n)])
-        assert [_hash(row.tolist()) for row in ctx] == columns.tolist()
-    assert _hash([1, 2]) != _hash([2, 1]) and _hash([5]) != _hash([0, 5])
+        columns = _hash_columns([ctx[:, 4 - n + j] for j in range(n)])  # the last n tokens
+        assert [_hashes(row.tolist(), 4)[n - 1] for row in ctx] == columns.tolist()
+    assert _hashes([1, 2], 2)[1] != _hashes([2, 1], 2)[1]
+    assert len(set(_hashes([5, 5, 5], 3))) == 3 and _hashes([7, 8, 9], 2) == _hashes([8, 9], 5)
 
 
 def test_table_keeps_the_most_frequent_next_token_of_the_longest_context():

@@ -44,7 +44,7 @@ chance of acceptance (a table's ``prior``, measured on held-out answers when it 
 
 _MASK = (1 << 64) - 1
 _MULT = 0x9E3779B97F4A7C15  # odd: multiplying by it mod 2^64 is a bijection
-_ORDER_SEED = 0x632BE59BD9B4E019
+_SEED = 0x632BE59BD9B4E019
 
 
 def share_bucket(share: float) -> int:
@@ -52,20 +52,22 @@ def share_bucket(share: float) -> int:
     return bisect.bisect_right(SHARE_EDGES, share) - 1
 
 
-def _hash(tokens: Sequence[int]) -> int:
-    """64-bit key of a context (oldest token first), the one :func:`_hash_columns` gives."""
-    h = (len(tokens) * _ORDER_SEED) & _MASK
-    for t in tokens:
+def _hashes(tokens: Sequence[int], orders: int) -> list[int]:
+    """64-bit keys of the contexts of 1..``orders`` tokens ending ``tokens`` (fewer if it is
+    shorter), shortest first: each folds one more token, the newest first, into the one before,
+    so all of them cost ``orders`` multiply-adds. The same keys as :func:`_hash_columns`."""
+    h, keys = _SEED, []
+    for t in reversed(tokens[-orders:]):
         h = (h * _MULT + t + 1) & _MASK
-    return h
+        keys.append(h)
+    return keys
 
 
 def _hash_columns(columns: Sequence[np.ndarray]) -> np.ndarray:
-    """:func:`_hash` of many contexts at once: ``columns`` holds n arrays ``[P]`` (oldest token
-    first), the result is ``[P]`` uint64 (numpy wraps uint64 products mod 2^64, as ``_MASK`` does)."""
-    n = len(columns)
-    h = np.full(columns[0].shape, (n * _ORDER_SEED) & _MASK, dtype=np.uint64)
-    for col in columns:
+    """:func:`_hashes`' key of the n-token contexts whose tokens are ``columns`` (n arrays ``[P]``,
+    the oldest token first), ``[P]`` uint64 (numpy wraps uint64 products mod 2^64, as ``_MASK``)."""
+    h = np.full(columns[0].shape, _SEED, dtype=np.uint64)
+    for col in reversed(columns):
         h = h * np.uint64(_MULT) + col.astype(np.uint64) + np.uint64(1)
     return h
 
@@ -80,8 +82,8 @@ class NgramTable:
         context: ``[S]`` leading context tokens per sequence.
         orders: longest context, in tokens.
 
-    Contexts are keyed by a 64-bit hash of their tokens; two contexts sharing a key would only
-    make a worse draft, never a wrong output.
+    Contexts are keyed by a 64-bit hash of their tokens (:func:`_hashes`); two contexts sharing a
+    key would only make a worse draft, never a wrong output.
     """
 
     def __init__(self, sequences: Sequence[Sequence[int]], context: Sequence[int], orders: int = 4):
@@ -125,8 +127,8 @@ class NgramTable:
     def predict(self, tokens: Sequence[int]) -> tuple[int, int] | None:
         """``(token, share bucket)`` after ``tokens`` from the longest context the table knows, or
         None when it knows not even the last token."""
-        for n in range(min(self.orders, len(tokens)), 0, -1):
-            packed = self._entries.get(_hash(tokens[-n:]))
+        for key in reversed(_hashes(tokens, self.orders)):  # the longest context first
+            packed = self._entries.get(key)
             if packed is not None:
                 return packed >> 4, packed & 15
         return None
@@ -294,42 +296,38 @@ class NgramLookup:
     ) -> Proposal:
         """Per row, prompt lookup's draft or the table's, with their estimated chances of acceptance
         (``[B, k]``)."""
-        copied = self.lookup.propose(slots, committed, num_tokens, params, generators)
         wants = num_tokens.tolist()  # [B]
         k = max(wants, default=0)
         if k == 0:
-            return copied
-        assert copied.accept_probs is not None
-        tokens = copied.tokens.tolist()  # [B][k]
-        accept = copied.accept_probs.tolist()  # [B][k]
-        num = copied.num_draft.tolist()  # [B]
-        changed = False
-        for row, (slot, toks, want) in enumerate(zip(slots, committed, wants)):
+            return self.lookup.propose(slots, committed, num_tokens, params, generators)
+        # On Python lists, one tensor each at the end: after a forward has streamed the weights
+        # through every cache level each small torch call costs tens of microseconds.
+        rows = self.lookup.propose_rows(slots, committed, wants)
+        tokens = np.zeros((len(slots), k), dtype=np.int64)
+        accept = np.zeros((len(slots), k), dtype=np.float32)
+        num = np.zeros(len(slots), dtype=np.int64)
+        for row, (slot, toks, want, (copied, copied_probs)) in enumerate(zip(slots, committed, wants, rows)):
             self._stats.learn(slot, toks)
-            if want == 0:
-                continue
-            drafted, buckets = self.table.draft(toks, want)
-            if not drafted:
-                self.lookup_drafts += num[row] > 0
-                continue
-            estimate = self._stats.estimates(slot)  # [buckets]
-            probs = [estimate[b] for b in buckets]
-            # Scored at the next proposal whichever draft is verified: the committed tokens are the
-            # target's either way.
-            self._stats.remember(slot, len(toks), buckets, drafted)
-            if expected_accepted(probs) <= expected_accepted(accept[row][: num[row]]):
-                self.lookup_drafts += num[row] > 0
-                continue
-            tokens[row] = drafted + [0] * (k - len(drafted))
-            accept[row] = probs + [0.0] * (k - len(drafted))
-            num[row] = len(drafted)
-            changed = True
-            self.table_drafts += 1
-        if not changed:
-            return copied
+            drafted, buckets = self.table.draft(toks, want) if want > 0 else ([], [])
+            if drafted:
+                estimate = self._stats.estimates(slot)  # [buckets]
+                probs = [estimate[b] for b in buckets]
+                # Scored at the next proposal whichever draft is verified: the committed tokens are
+                # the target's either way.
+                self._stats.remember(slot, len(toks), buckets, drafted)
+                if expected_accepted(probs) > expected_accepted(copied_probs):
+                    copied, copied_probs = drafted, probs
+                    self.table_drafts += 1
+                else:
+                    self.lookup_drafts += bool(copied)
+            else:
+                self.lookup_drafts += bool(copied)
+            tokens[row, : len(copied)] = copied
+            accept[row, : len(copied)] = copied_probs
+            num[row] = len(copied)
         return Proposal(
-            tokens=torch.tensor(tokens, dtype=torch.int64),
+            tokens=torch.from_numpy(tokens),
             probs=None,
-            num_draft=torch.tensor(num, dtype=torch.int64),
-            accept_probs=torch.tensor(accept, dtype=torch.float32),
+            num_draft=torch.from_numpy(num),
+            accept_probs=torch.from_numpy(accept),
         )

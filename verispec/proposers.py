@@ -442,8 +442,28 @@ class PromptLookup:
         tokens = np.zeros((batch, k), dtype=np.int64)
         accept = np.zeros((batch, k), dtype=np.float32)
         num_draft = np.zeros(batch, dtype=np.int64)
-        for row, (slot, toks, want) in enumerate(zip(slots, committed, wants)):
+        for row, (found, probs) in enumerate(self.propose_rows(slots, committed, wants)):
+            tokens[row, : len(found)] = found
+            accept[row, : len(found)] = probs
+            num_draft[row] = len(found)
+        return Proposal(
+            tokens=torch.from_numpy(tokens),
+            probs=None,
+            num_draft=torch.from_numpy(num_draft),
+            accept_probs=torch.from_numpy(accept),
+        )
+
+    def propose_rows(
+        self, slots: list[int], committed: list[list[int]], wants: list[int]
+    ) -> list[tuple[list[int], list[float]]]:
+        """:meth:`propose` on Python lists: per row, up to ``wants[i]`` copied tokens and each one's
+        estimated chance of acceptance (both empty where the row has no match)."""
+        out: list[tuple[list[int], list[float]]] = []
+        for slot, toks, want in zip(slots, committed, wants):
             self._stats.learn(slot, toks)
+            if want <= 0:
+                out.append(([], []))
+                continue
             buffer = self._buffers.get(slot)
             if buffer is None:
                 buffer = self._buffers[slot] = _TokenBuffer()
@@ -455,20 +475,14 @@ class PromptLookup:
             else:
                 start, length = self.match(buffer.array(), np.asarray(ends, dtype=np.int64))
             if length < self.min_ngram:
+                out.append(([], []))
                 continue
             found = buffer.tokens[start : start + self._cap(length, want)]
             buckets = [lookup_bucket(length + i) for i in range(len(found))]
-            tokens[row, : len(found)] = found
             estimate = self._stats.estimates(slot)  # [buckets]
-            accept[row, : len(found)] = [estimate[b] for b in buckets]
-            num_draft[row] = len(found)
+            out.append((found, [estimate[b] for b in buckets]))
             self._stats.remember(slot, len(toks), buckets, found)
-        return Proposal(
-            tokens=torch.from_numpy(tokens),
-            probs=None,
-            num_draft=torch.from_numpy(num_draft),
-            accept_probs=torch.from_numpy(accept),
-        )
+        return out
 
     def _cap(self, length: int, k: int) -> int:
         return k if self.tokens_per_match is None else min(k, self.tokens_per_match * length)
