@@ -234,3 +234,24 @@ def test_bench_runs_lookup_with_a_table(tiny_model_folder, tmp_path):
     results = json.loads((tmp_path / "none" / "results.json").read_text())
     assert not any(r["method"] == "lookup+ngrams" for r in results["rows"])
     assert any("no n-gram table" in n for n in results["notes"])
+
+
+def test_default_drafter_takes_the_shipped_table(tiny_model_folder, tmp_path, monkeypatch):
+    """Where prompt lookup drafts by default (an int8 target, or one on the kernel), a table shipped
+    for the target drafts beside it; --prompt-lookup still means lookup alone."""
+    import verispec.ngrams as ngrams
+    from verispec.commands.drafters import build_proposer
+    from verispec.distill.shipped import target_id
+
+    target = verispec.load_model(str(tiny_model_folder), dtype="int8")
+    monkeypatch.setattr(ngrams, "SHIPPED", tmp_path)
+    assert type(build_proposer(target, None, False)) is PromptLookup  # no table for this target
+    save_table(
+        tmp_path / "other", NgramTable([[1, 2]], [0]), {"target_id": "0123456789abcdef", "prior": PRIOR}
+    )
+    assert type(build_proposer(target, None, False)) is PromptLookup  # another target's table
+    save_table(tmp_path / "mine", NgramTable([[1, 2]], [0]), {"target_id": target_id(target), "prior": PRIOR})
+    chosen = build_proposer(target, None, False)
+    assert isinstance(chosen, NgramLookup) and len(chosen.table) == 1
+    assert type(build_proposer(target, None, True)) is PromptLookup
+    assert isinstance(build_proposer(target, None, False, ngrams="default"), NgramLookup)
