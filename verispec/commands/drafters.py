@@ -33,7 +33,7 @@ def build_proposer(
     target with no shipped draft, an int8 target and a target on the C++ kernel
     (:func:`lookup_alone_pays`; benchmarks/DRAFTS.md has the measurements behind these choices).
     Where prompt lookup drafts by default and an n-gram table is shipped for the target, the table
-    drafts beside it (:class:`~verispec.ngrams.NgramLookup`: 11-16% more tokens per target call on
+    drafts beside it (:class:`~verispec.ngrams.NgramLookup`: 11-15% more tokens per target call on
     Spec-Bench, session 31).
     """
     from verispec.models.loading import load_model, load_tokenizer
