@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 from pathlib import Path
 
@@ -82,6 +83,20 @@ def build_proposer(
         device=str(getattr(target, "device", "cpu")),  # the draft runs where the target does
     )
     return make_proposer(target, draft, max_batch_size=max_batch_size)
+
+
+def proposer_from_args(target: KVModel, args: argparse.Namespace, max_batch_size: int = 1) -> Proposer:
+    """:func:`build_proposer` with the drafter options of ``generate`` and ``serve``
+    (:func:`~verispec.commands.common.add_model_arguments`)."""
+    return build_proposer(
+        target,
+        args.draft_model,
+        args.prompt_lookup,
+        max_batch_size=max_batch_size,
+        dtype=args.dtype,
+        backend=args.backend,
+        ngrams=getattr(args, "ngrams", None),
+    )
 
 
 def lookup_alone_pays(target: KVModel) -> bool:

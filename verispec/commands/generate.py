@@ -18,7 +18,7 @@ from verispec.commands.common import (
     check_model_arguments,
     sampling_config,
 )
-from verispec.commands.drafters import build_proposer
+from verispec.commands.drafters import proposer_from_args
 from verispec.config import ConfigError, GenerationConfig
 from verispec.tokenizers import encode_prompt
 
@@ -59,14 +59,7 @@ def run(args: argparse.Namespace) -> int:
     target = load_model(args.model, backend=args.backend, dtype=args.dtype, device=args.device)
     proposer = None
     if config.num_speculative_tokens > 0:
-        proposer = build_proposer(
-            target,
-            args.draft_model,
-            args.prompt_lookup,
-            dtype=args.dtype,
-            backend=args.backend,
-            ngrams=args.ngrams,
-        )
+        proposer = proposer_from_args(target, args)
     prompt = encode_prompt(target.tokenizer, args.prompt, chat=target.instruct and not args.raw)
     color = sys.stdout.isatty() if args.color is None else args.color
     streamer = None if args.json else _Streamer(target.tokenizer, color)

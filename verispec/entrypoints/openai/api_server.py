@@ -90,7 +90,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
     """Load target and drafter; the caller runs ``scheduler.run_here()`` in the thread that loaded
     them (see ``_load_in_engine_thread``)."""
     from verispec.adaptive import adapt_k
-    from verispec.commands.drafters import build_proposer
+    from verispec.commands.drafters import proposer_from_args
     from verispec.engine import Engine
     from verispec.entrypoints.openai.metrics import ServerMetrics
     from verispec.models.loading import load_model
@@ -107,15 +107,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
     target.reset(args.max_num_seqs)
     proposer = None
     if args.num_speculative_tokens > 0:
-        proposer = build_proposer(
-            target,
-            args.draft_model,
-            args.prompt_lookup,
-            max_batch_size=args.max_num_seqs,
-            dtype=args.dtype,
-            backend=args.backend,
-            ngrams=getattr(args, "ngrams", None),
-        )
+        proposer = proposer_from_args(target, args, max_batch_size=args.max_num_seqs)
     tok = target.tokenizer
     engine = Engine(
         target,
