@@ -116,17 +116,26 @@ def test_drafts_from_the_table_where_lookup_has_nothing():
     assert drafter.table_drafts == 1
 
 
-def test_keeps_prompt_lookup_where_it_expects_more():
-    table = NgramTable([[10, 11, 12, 13, 14]] * 9, [0] * 9, orders=2)
-    drafter = NgramLookup(table, [0.05] * len(SHARE_EDGES))  # a table that is rarely right
-    tokens = [10, 20, 21, 22, 23, 24, 25, 26, 9, 10, 20, 21, 22]  # a long match: copy 23 24 25 26
-    drafter.start(0, tokens)
-    prop = propose(drafter, tokens)
-    assert prop.tokens[0].tolist() == [23, 24, 25, 26]
+def test_keeps_the_draft_expected_to_give_more():
+    table = NgramTable([[22, 90, 91, 92, 93]] * 9, [0] * 9, orders=2)  # after 22: 90 91 92 93
+    tokens = [10, 20, 21, 22, 23, 24, 25, 26, 9, 10, 20, 21, 22]  # lookup copies 23 24 25 26
     alone = PromptLookup()
     alone.start(0, tokens)
-    assert prop.accept_probs[0].tolist() == propose(alone, tokens).accept_probs[0].tolist()
-    assert drafter.lookup_drafts == 1 and drafter.table_drafts == 0
+    copied = propose(alone, tokens)
+    assert copied.tokens[0].tolist() == [23, 24, 25, 26]
+    rarely = NgramLookup(table, [0.05] * len(SHARE_EDGES))  # a table that is rarely right
+    rarely.start(0, tokens)
+    prop = propose(rarely, tokens)
+    assert prop.tokens[0].tolist() == [23, 24, 25, 26]
+    assert prop.accept_probs[0].tolist() == copied.accept_probs[0].tolist()
+    assert rarely.lookup_drafts == 1 and rarely.table_drafts == 0
+    often = NgramLookup(table, [0.99] * len(SHARE_EDGES))  # one nearly always right
+    often.start(0, tokens)
+    prop = propose(often, tokens)
+    assert prop.tokens[0].tolist() == [90, 91, 92, 93] and prop.accept_probs[0].tolist() == pytest.approx(
+        [0.99] * 4
+    )
+    assert often.lookup_drafts == 0 and often.table_drafts == 1
 
 
 def test_table_estimates_are_learned_per_sequence():
