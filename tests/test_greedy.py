@@ -133,20 +133,23 @@ def spec_bench_prompts(n_per_category: int = 1, categories=("summarization", "co
 @pytest.mark.slow
 @pytest.mark.skipif(not SPEC_BENCH.is_file(), reason="Spec-Bench file not present")
 def test_default_model_greedy_equals_plain(default_model, tiny_model_folder):
-    """On the real default model and real prompts, with both drafters and k in {1, 4, 8}."""
+    """On the real default model and real prompts, with a draft model, prompt lookup and lookup with
+    the shipped n-gram table, and k in {1, 4, 8}."""
     from verispec.models.loading import load_model
     from verispec.tokenizers import encode_prompt
 
     small_draft = load_model(str(tiny_model_folder))  # same tokenizer, random weights: many rejections
+    table = verispec.NgramLookup.for_target(default_model)
     for text in spec_bench_prompts():
         ids = encode_prompt(default_model.tokenizer, text, chat=True)
         plain = verispec.speculative_generate(default_model, None, ids, max_new_tokens=32, temperature=0)
         for k in (1, 4, 8):
-            for drafter in (small_draft, verispec.PromptLookup()):
+            for drafter in (small_draft, verispec.PromptLookup(), table):
                 spec = verispec.speculative_generate(
                     default_model, drafter, ids, max_new_tokens=32, temperature=0, num_speculative_tokens=k
                 )
                 assert spec.token_ids == plain.token_ids, (k, type(drafter).__name__, text[:40])
+    assert table.table_drafts > 0  # the table drafted, and was checked, somewhere
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
