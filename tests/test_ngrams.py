@@ -264,3 +264,19 @@ def test_default_drafter_takes_the_shipped_table(tiny_model_folder, tmp_path, mo
     assert isinstance(chosen, NgramLookup) and len(chosen.table) == 1
     assert type(build_proposer(target, None, True)) is PromptLookup
     assert isinstance(build_proposer(target, None, False, ngrams="default"), NgramLookup)
+
+
+def test_vllm_ngram_draft_name_means_prompt_lookup():
+    import argparse
+
+    from verispec.commands.common import check_model_arguments
+    from verispec.entrypoints.openai.api_server import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--speculative-model", "[ngram]", "--num-speculative-tokens", "4"])
+    check_model_arguments(args)
+    assert args.prompt_lookup is True and args.draft_model is None
+    args = parser.parse_args(["--speculative-model", "[ngram]", "--ngrams"])
+    with pytest.raises(ConfigError, match="choose one drafter"):
+        check_model_arguments(args)

@@ -18,7 +18,8 @@ def add_model_arguments(p: argparse.ArgumentParser, *, draft_flag: str = "--draf
         draft_flag,
         dest="draft_model",
         default=None,
-        help="draft model (same tokenizer as the target); 'default' = the shipped draft",
+        help="draft model (same tokenizer as the target); 'default' = the shipped draft; "
+        "'[ngram]' = prompt lookup, as in vLLM",
     )
     p.add_argument(
         "--prompt-lookup", action="store_true", help="draft by n-gram prompt lookup (no second model)"
@@ -67,8 +68,15 @@ def sampling_config(args: argparse.Namespace) -> SamplingConfig:
     return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
 
 
+VLLM_NGRAM = ("[ngram]", "ngram")
+"""What vLLM's ``--speculative-model`` takes for prompt lookup; here the same as ``--prompt-lookup``."""
+
+
 def check_model_arguments(args: argparse.Namespace) -> None:
-    """Checks that need no model, done before any loading."""
+    """Checks that need no model, done before any loading. A draft named as vLLM names prompt
+    lookup (:data:`VLLM_NGRAM`) becomes ``--prompt-lookup``."""
+    if args.draft_model in VLLM_NGRAM:
+        args.draft_model, args.prompt_lookup = None, True
     if args.num_speculative_tokens < 0:
         raise ConfigError(f"--num-speculative-tokens must be >= 0, got {args.num_speculative_tokens}")
     drafters = (
