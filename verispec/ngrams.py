@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from verispec.config import ConfigError
-from verispec.proposers import AcceptanceCounts, PromptLookup, Proposal
+from verispec.proposers import AcceptanceCounts, PromptLookup, Proposal, point_mass
 from verispec.sampling import SamplingTensors
 
 META = "ngrams.json"
@@ -302,32 +302,21 @@ class NgramLookup:
             return self.lookup.propose(slots, committed, num_tokens, params, generators)
         # On Python lists, one tensor each at the end: after a forward has streamed the weights
         # through every cache level each small torch call costs tens of microseconds.
-        rows = self.lookup.propose_rows(slots, committed, wants)
-        tokens = np.zeros((len(slots), k), dtype=np.int64)
-        accept = np.zeros((len(slots), k), dtype=np.float32)
-        num = np.zeros(len(slots), dtype=np.int64)
-        for row, (slot, toks, want, (copied, copied_probs)) in enumerate(zip(slots, committed, wants, rows)):
+        rows = self.lookup.propose_rows(slots, committed, wants)  # [B] (tokens, estimates)
+        for row, (slot, toks, want) in enumerate(zip(slots, committed, wants)):
             self._stats.learn(slot, toks)
             drafted, buckets = self.table.draft(toks, want) if want > 0 else ([], [])
-            if drafted:
-                estimate = self._stats.estimates(slot)  # [buckets]
-                probs = [estimate[b] for b in buckets]
-                # Scored at the next proposal whichever draft is verified: the committed tokens are
-                # the target's either way.
-                self._stats.remember(slot, len(toks), buckets, drafted)
-                if expected_accepted(probs) > expected_accepted(copied_probs):
-                    copied, copied_probs = drafted, probs
-                    self.table_drafts += 1
-                else:
-                    self.lookup_drafts += bool(copied)
+            if not drafted:
+                self.lookup_drafts += bool(rows[row][0])
+                continue
+            estimate = self._stats.estimates(slot)  # [buckets]
+            probs = [estimate[b] for b in buckets]
+            # Scored at the next proposal whichever draft is verified: the committed tokens are the
+            # target's either way.
+            self._stats.remember(slot, len(toks), buckets, drafted)
+            if expected_accepted(probs) > expected_accepted(rows[row][1]):
+                rows[row] = (drafted, probs)
+                self.table_drafts += 1
             else:
-                self.lookup_drafts += bool(copied)
-            tokens[row, : len(copied)] = copied
-            accept[row, : len(copied)] = copied_probs
-            num[row] = len(copied)
-        return Proposal(
-            tokens=torch.from_numpy(tokens),
-            probs=None,
-            num_draft=torch.from_numpy(num),
-            accept_probs=torch.from_numpy(accept),
-        )
+                self.lookup_drafts += bool(rows[row][0])
+        return point_mass(rows, k)

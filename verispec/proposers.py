@@ -101,6 +101,25 @@ def _empty(batch: int) -> Proposal:
     )
 
 
+def point_mass(rows: Sequence[tuple[Sequence[int], Sequence[float]]], k: int) -> Proposal:
+    """A point-mass :class:`Proposal` ``[B, k]`` from per-row lists: each row's draft tokens and
+    their estimated chances of acceptance (empty where the row drafts nothing). Filled as arrays,
+    one tensor each at the end: a torch call per row costs more than the row."""
+    tokens = np.zeros((len(rows), k), dtype=np.int64)
+    accept = np.zeros((len(rows), k), dtype=np.float32)
+    num_draft = np.zeros(len(rows), dtype=np.int64)
+    for row, (found, probs) in enumerate(rows):
+        tokens[row, : len(found)] = found
+        accept[row, : len(found)] = probs
+        num_draft[row] = len(found)
+    return Proposal(
+        tokens=torch.from_numpy(tokens),
+        probs=None,
+        num_draft=torch.from_numpy(num_draft),
+        accept_probs=torch.from_numpy(accept),
+    )
+
+
 class DraftModelProposer:
     """Drafts by sampling k tokens from a smaller model with the same sampling transform as the target.
 
@@ -438,20 +457,7 @@ class PromptLookup:
         k = max(wants, default=0)
         if k == 0:
             return _empty(batch)
-        # Filled as arrays, one tensor each at the end: a torch call per row costs more than the row.
-        tokens = np.zeros((batch, k), dtype=np.int64)
-        accept = np.zeros((batch, k), dtype=np.float32)
-        num_draft = np.zeros(batch, dtype=np.int64)
-        for row, (found, probs) in enumerate(self.propose_rows(slots, committed, wants)):
-            tokens[row, : len(found)] = found
-            accept[row, : len(found)] = probs
-            num_draft[row] = len(found)
-        return Proposal(
-            tokens=torch.from_numpy(tokens),
-            probs=None,
-            num_draft=torch.from_numpy(num_draft),
-            accept_probs=torch.from_numpy(accept),
-        )
+        return point_mass(self.propose_rows(slots, committed, wants), k)
 
     def propose_rows(
         self, slots: list[int], committed: list[list[int]], wants: list[int]
