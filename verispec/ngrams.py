@@ -208,11 +208,16 @@ def load_table(folder: str | Path, target=None) -> tuple[NgramTable, dict]:
                 f"{folder}: this n-gram table was built for another target "
                 f"(target id {meta.get('target_id')}, this one {mine}); build one with `verispec ngrams`"
             )
+    return _read_table(folder, meta), meta
+
+
+def _read_table(folder: str | Path, meta: dict) -> NgramTable:
+    """The table whose corpus is ``folder``'s ``ngrams.npz`` and whose meta is ``meta``."""
     with np.load(Path(folder) / TOKENS) as data:
         tokens, lengths, context = data["tokens"], data["lengths"], data["context"]
     ends = np.cumsum(lengths)
     sequences = [tokens[e - n : e].tolist() for e, n in zip(ends.tolist(), lengths.tolist())]
-    return NgramTable(sequences, context.tolist(), orders=int(meta.get("orders", 4))), meta
+    return NgramTable(sequences, context.tolist(), orders=int(meta.get("orders", 4)))
 
 
 SHIPPED = Path(__file__).resolve().parent / "drafts"
@@ -227,8 +232,9 @@ def shipped_table_for(target) -> tuple[NgramTable, dict] | None:
     except (ConfigError, AttributeError):
         return None
     for path in sorted(SHIPPED.glob(f"*/{META}")):
-        if read_meta(path.parent).get("target_id") == mine and (path.parent / TOKENS).is_file():
-            return load_table(path.parent)
+        meta = read_meta(path.parent)
+        if meta.get("target_id") == mine and (path.parent / TOKENS).is_file():
+            return _read_table(path.parent, meta), meta
     return None
 
 
@@ -269,18 +275,21 @@ class NgramLookup:
         self.lookup_drafts = 0
 
     @classmethod
+    def shipped(cls, target) -> NgramLookup | None:
+        """The drafter with the table shipped for ``target``, or None when none was built for it."""
+        found = shipped_table_for(target)
+        return None if found is None else cls(found[0], found[1]["prior"])
+
+    @classmethod
     def for_target(cls, target, folder: str | Path | None = None) -> NgramLookup:
         """The drafter for ``target`` with the table in ``folder``, or the shipped one."""
-        if folder is None:
-            found = shipped_table_for(target)
-            if found is None:
-                raise ConfigError(
-                    "no n-gram table is shipped for this target; build one with `verispec ngrams`"
-                )
-            table, meta = found
-        else:
+        if folder is not None:
             table, meta = load_table(folder, target)
-        return cls(table, meta["prior"])
+            return cls(table, meta["prior"])
+        drafter = cls.shipped(target)
+        if drafter is None:
+            raise ConfigError("no n-gram table is shipped for this target; build one with `verispec ngrams`")
+        return drafter
 
     def start(self, slot: int, tokens: Sequence[int]) -> None:
         self.lookup.start(slot, tokens)

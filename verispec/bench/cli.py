@@ -219,12 +219,12 @@ def _draft(args: argparse.Namespace, target, notes: list[str]):
 
 
 def _ngrams(args: argparse.Namespace, target, notes: list[str]):
-    """``(table, meta)`` behind the lookup+ngrams rows: ``--ngrams DIR`` or the shipped table."""
-    from verispec.ngrams import load_table, shipped_table_for
+    """The drafter behind the lookup+ngrams rows: lookup with ``--ngrams DIR`` or the shipped table."""
+    from verispec.ngrams import NgramLookup
 
     if args.ngrams is not None:
-        return load_table(Path(args.ngrams).expanduser(), target)
-    found = shipped_table_for(target)
+        return NgramLookup.for_target(target, Path(args.ngrams).expanduser())
+    found = NgramLookup.shipped(target)
     if found is None:
         notes.append("no --ngrams given and no n-gram table shipped for this target: lookup+ngrams skipped")
     return found
@@ -263,10 +263,10 @@ def run(args: argparse.Namespace) -> int:
         elif "hf-assisted" in methods and getattr(_draft_kv(draft), "hf_model", None) is None:
             notes.append("the draft is no transformers model (a distilled draft): hf-assisted skipped")
             methods.remove("hf-assisted")
-    ngrams = None
+    table_lookup = None
     if "lookup+ngrams" in methods:
-        ngrams = _ngrams(args, main, notes)
-        if ngrams is None:
+        table_lookup = _ngrams(args, main, notes)
+        if table_lookup is None:
             methods = [m for m in methods if m != "lookup+ngrams"]
     llama = None
     if {"llama.cpp", "llama.cpp-prompt-lookup"} & set(methods):
@@ -301,11 +301,6 @@ def run(args: argparse.Namespace) -> int:
         None if draft is None else getattr(_draft_kv(draft), "hf_model", None),
     )
     lookup = PromptLookup()
-    table_lookup = None
-    if ngrams is not None:
-        from verispec.ngrams import NgramLookup
-
-        table_lookup = NgramLookup(ngrams[0], ngrams[1]["prior"])
     proposers = {}
     for d in targets:
         if isinstance(draft, DraftModelProposer):
@@ -355,10 +350,10 @@ def run(args: argparse.Namespace) -> int:
     draft_cost: dict[tuple[str, str], float] = {}
     for d, t in targets.items():
         step = forward_seconds(t, [1], greedy=sampling.greedy)[1]
-        draft_cost[("prompt-lookup", d)] = lookup_seconds(lookup) / step
+        copying = lookup_seconds(lookup)
+        draft_cost[("prompt-lookup", d)] = copying / step
         if table_lookup is not None:
-            both = lookup_seconds(lookup) + table_seconds(table_lookup.table)
-            draft_cost[("lookup+ngrams", d)] = both / step
+            draft_cost[("lookup+ngrams", d)] = (copying + table_seconds(table_lookup.table)) / step
         if isinstance(draft, DraftModelProposer):
             draft_cost[("draft-model", d)] = forward_seconds(draft.model, [1])[1] / step
 

@@ -18,6 +18,7 @@ above.
 
 from __future__ import annotations
 
+import itertools
 import os
 import platform
 import statistics
@@ -181,7 +182,7 @@ def lookup_seconds(lookup, length: int = 600, k: int = 4, reps: int = 21) -> flo
 def table_seconds(table, length: int = 600, k: int = 4, reps: int = 21) -> float:
     """Median seconds of one n-gram table draft (:meth:`verispec.ngrams.NgramTable.draft`) of ``k``
     tokens after a ``length``-token history of the table's own tokens (so that it finds them)."""
-    seq = [t for s in table.sequences for t in s][:length] or [0]
+    seq = list(itertools.islice(itertools.chain.from_iterable(table.sequences), length)) or [0]
     return _median_seconds(lambda: table.draft(seq, k), reps)
 
 

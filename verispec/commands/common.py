@@ -79,18 +79,19 @@ def check_model_arguments(args: argparse.Namespace) -> None:
         args.draft_model, args.prompt_lookup = None, True
     if args.num_speculative_tokens < 0:
         raise ConfigError(f"--num-speculative-tokens must be >= 0, got {args.num_speculative_tokens}")
+    ngrams = getattr(args, "ngrams", None)
     drafters = (
         ("--prompt-lookup", args.prompt_lookup),
         ("a draft model", args.draft_model),
-        ("--ngrams", getattr(args, "ngrams", None)),
+        ("--ngrams", ngrams),
     )
     named = [flag for flag, on in drafters if on]
     if len(named) > 1:
         raise ConfigError(f"choose one drafter: {' or '.join(named)}, not both")
-    if getattr(args, "ngrams", None) not in (None, "default"):
+    if ngrams not in (None, "default"):
         from verispec.ngrams import read_meta
 
-        read_meta(Path(args.ngrams).expanduser())  # a clear error before any model loads
+        read_meta(Path(ngrams).expanduser())  # a clear error before any model loads
     from verispec.models.loading import resolve
 
     resolve(args.model)  # raises ModelNotFoundError with a clear message

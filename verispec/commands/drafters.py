@@ -46,12 +46,12 @@ def build_proposer(
 
         return NgramLookup.for_target(target, None if ngrams == "default" else Path(ngrams).expanduser())
     if draft_model is None and lookup_alone_pays(target):
-        from verispec.ngrams import NgramLookup, shipped_table_for
+        from verispec.ngrams import NgramLookup
 
-        shipped = shipped_table_for(target)
-        if shipped is not None:
+        with_table = NgramLookup.shipped(target)
+        if with_table is not None:
             log.info("drafting by prompt lookup with the n-gram table shipped for this target")
-            return NgramLookup(shipped[0], shipped[1]["prior"])
+            return with_table
         log.info("drafting by prompt lookup alone: on this target a draft model costs more than it saves")
         return PromptLookup()
     if draft_model is None:
