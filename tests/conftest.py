@@ -14,6 +14,21 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+@pytest.fixture(autouse=True)
+def keeps_torch_threads():
+    """Fail a test that leaves the process on another torch thread count (and restore it).
+
+    Everything after such a test ran on one thread, and the real model, loaded afterwards, measured
+    its kernel schedules again for one thread: about a minute of the suite (session 32).
+    """
+    before = torch.get_num_threads()
+    yield
+    after = torch.get_num_threads()
+    if after != before:
+        torch.set_num_threads(before)
+        pytest.fail(f"the test left torch on {after} threads (was {before})")
+
+
 class FreeCosts(StepCosts):
     """Step costs of a machine on which verifying more tokens costs nothing more; records nothing."""
 

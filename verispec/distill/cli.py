@@ -77,12 +77,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Generate/label the corpus, distill, measure, save."""
+    """Generate/label the corpus, distill, measure, save, on ``--threads`` torch threads; the
+    process's own thread count is restored afterwards (``verispec.cli.main`` may run in process)."""
+    from verispec.models.threads import torch_threads
+
+    with torch_threads(max(1, args.threads)):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from verispec.config import ConfigError
     from verispec.distill import data, shipped, train
     from verispec.models.loading import load_model
 
-    torch.set_num_threads(max(1, args.threads))
     torch.manual_seed(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
