@@ -153,11 +153,14 @@ def test_generate_default_model_text_and_json():
     assert "Paris" in out["text"] and out["stats"]["new_tokens"] <= 24
 
 
-@pytest.mark.slow
-def test_gemma_draft_for_default_target_is_refused():
+def test_gemma_draft_for_default_target_is_refused(tmp_path, monkeypatch):
+    """Refused from the two GGUF files' headers, before either model is converted or loaded (in a
+    fresh cache, where converting both would take about two minutes)."""
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
     res = run("generate", "hi", "--draft-model", "gemma3-270m", timeout=600)
     assert res.returncode == 2
-    assert "tokenizers differ" in res.stderr
+    assert "tokenizers differ" in res.stderr and "(target 49152, draft 262144)" in res.stderr
+    assert "converting" not in res.stderr and not (tmp_path / "converted").exists()
 
 
 @pytest.mark.parametrize(

@@ -36,6 +36,17 @@ def check_compatible(
             a, b = getattr(target_tok, attr, None), getattr(draft_tok, attr, None)
             if a != b and a is not None and b is not None:
                 problems.append(f"{attr} differs (target {a}, draft {b})")
+    _refuse(problems)
+
+
+def check_vocab_size(target_size: int, draft_size: int) -> None:
+    """Raise :class:`TokenizerMismatchError` when two tokenizers, known by their numbers of tokens
+    (a GGUF file's token list, read before converting it), cannot be the same."""
+    if target_size != draft_size:
+        _refuse([f"vocabulary sizes differ (target {target_size}, draft {draft_size})"])
+
+
+def _refuse(problems: list[str]) -> None:
     if problems:
         raise TokenizerMismatchError(
             "draft and target tokenizers differ: "

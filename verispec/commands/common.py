@@ -98,3 +98,15 @@ def check_model_arguments(args: argparse.Namespace) -> None:
     if args.draft_model and args.draft_model != "default":
         if not (Path(args.draft_model).expanduser() / "draft.json").is_file():  # distilled drafts load apart
             resolve(args.draft_model)
+            check_gguf_vocab_sizes(args.model, args.draft_model)
+
+
+def check_gguf_vocab_sizes(target: str, draft: str) -> None:
+    """Where target and draft are both GGUF files, refuse a pair whose token lists differ in length
+    (read from the files' headers), before either model loads."""
+    from verispec.models.loading import gguf_vocab_size
+    from verispec.tokenizers import check_vocab_size
+
+    sizes = gguf_vocab_size(target), gguf_vocab_size(draft)
+    if sizes[0] is not None and sizes[1] is not None:
+        check_vocab_size(sizes[0], sizes[1])

@@ -9,7 +9,7 @@ from pathlib import Path
 from verispec.api import make_proposer
 from verispec.models.base import KVModel
 from verispec.proposers import PromptLookup, Proposer
-from verispec.tokenizers import check_compatible
+from verispec.tokenizers import check_compatible, check_vocab_size
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def build_proposer(
     drafts beside it (:class:`~verispec.ngrams.NgramLookup`: 11-15% more tokens per target call on
     Spec-Bench, session 31).
     """
-    from verispec.models.loading import load_model, load_tokenizer
+    from verispec.models.loading import gguf_vocab_size, load_model, load_tokenizer
 
     if prompt_lookup:
         return PromptLookup()
@@ -72,7 +72,11 @@ def build_proposer(
         from verispec.distill.shipped import load_proposer
 
         return load_proposer(Path(draft_model).expanduser(), target, max_batch_size=max_batch_size)
-    # Compare tokenizers before paying for the draft's weights.
+    # Compare tokenizers before paying for the draft's weights, and a GGUF draft's vocabulary size
+    # before converting it: a draft of another family is refused in seconds, not minutes.
+    size = gguf_vocab_size(draft_model)
+    if size is not None:
+        check_vocab_size(len(target.tokenizer), size)
     check_compatible(target.tokenizer, load_tokenizer(draft_model))
     draft = load_model(
         draft_model,
