@@ -280,3 +280,23 @@ def test_vllm_ngram_draft_name_means_prompt_lookup():
     args = parser.parse_args(["--speculative-model", "[ngram]", "--ngrams"])
     with pytest.raises(ConfigError, match="choose one drafter"):
         check_model_arguments(args)
+
+
+def test_tune_measures_lookup_with_a_table(tiny_model_folder, tmp_path, capsys):
+    from verispec.distill.shipped import target_id
+
+    target = verispec.load_model(str(tiny_model_folder))
+    table = tmp_path / "table"
+    save_table(table, NgramTable([[1, 2, 3]], [0]), {"target_id": target_id(target), "prior": PRIOR})
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text(
+        json.dumps({"question_id": 1, "category": "qa", "turns": ["Why is the sky blue?"]}) + "\n"
+    )
+    args = ["tune", "--model", str(tiny_model_folder), "--prompts", str(prompts), "--max-new-tokens", "6"]
+    assert main([*args, "--k-max", "4", "--ngrams", str(table), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["method"] == "lookup+ngrams" and report["draft_cost"] > 0
+    assert set(report["categories"]) == {"qa", "all"}
+    assert all(0 <= c["draft_fraction"] <= 1 for c in report["categories"].values())
+    assert main([*args, "--ngrams", str(table), "--prompt-lookup"]) == 2
+    assert "choose one drafter: --prompt-lookup or --ngrams" in capsys.readouterr().err

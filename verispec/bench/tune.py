@@ -19,13 +19,15 @@ from verispec.bench.measure import (
     forward_seconds,
     lookup_seconds,
     predicted_speedup,
+    table_seconds,
     verify_costs,
 )
 from verispec.bench.methods import MethodConfig, Sampling, run_ours
 from verispec.bench.prompts import load_prompts, select
-from verispec.commands.common import add_device_argument, add_sampling_arguments, sampling_config
+from verispec.commands.common import add_device_argument, add_sampling_arguments, one_drafter, sampling_config
 from verispec.config import ConfigError
 from verispec.models.fast_llama import DTYPES
+from verispec.ngrams import NgramLookup
 from verispec.proposers import DraftModelProposer, PromptLookup
 from verispec.stats import GenerationStats
 
@@ -39,6 +41,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--draft-model", default=None, help="draft model (default: the shipped draft, else lookup)"
     )
     p.add_argument("--prompt-lookup", action="store_true", help="tune n-gram prompt lookup")
+    p.add_argument(
+        "--ngrams",
+        nargs="?",
+        const="default",
+        default=None,
+        metavar="DIR",
+        help="tune prompt lookup with an n-gram table of the target's answers (the shipped one, or DIR)",
+    )
     p.add_argument(
         "--prompts", default=None, help="Spec-Bench-format .jsonl (default: the shared Spec-Bench file)"
     )
@@ -62,8 +72,13 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--k-max must lie in 1..32, got {args.k_max}")
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.prompt_lookup and args.draft_model:
-        raise ConfigError("choose one drafter: --prompt-lookup or --draft-model, not both")
+    one_drafter(
+        (
+            ("--prompt-lookup", args.prompt_lookup),
+            ("--draft-model", args.draft_model),
+            ("--ngrams", args.ngrams),
+        )
+    )
     sampling = sampling_config(args)
     categories = [c.strip() for c in (args.categories or "").split(",") if c.strip()] or None
     prompts = select(load_prompts(args.prompts), categories, args.per_category)
@@ -76,15 +91,20 @@ def run(args: argparse.Namespace) -> int:
     target = load_model(args.model, backend=args.backend, dtype=args.dtype, device=args.device)
     # No drafter named: tune the shipped draft alone (build_proposer falls back to lookup without one);
     # the default drafter's mixture with lookup has no single k to tune.
-    name = args.draft_model or (None if args.prompt_lookup else "default")
-    proposer = build_proposer(target, name, args.prompt_lookup, backend=args.backend)
-    method = "prompt-lookup" if isinstance(proposer, PromptLookup) else "draft-model"
+    name = args.draft_model or (None if args.prompt_lookup or args.ngrams else "default")
+    proposer = build_proposer(target, name, args.prompt_lookup, backend=args.backend, ngrams=args.ngrams)
+    if isinstance(proposer, NgramLookup):
+        method = "lookup+ngrams"
+    else:
+        method = "prompt-lookup" if isinstance(proposer, PromptLookup) else "draft-model"
 
     step = forward_seconds(target, [1], greedy=sampling.greedy)[1]
     if isinstance(proposer, DraftModelProposer):
         draft_cost = forward_seconds(proposer.model, [1])[1] / step
     elif isinstance(proposer, EagleProposer):
         draft_cost = eagle_token_seconds(proposer) / step
+    elif isinstance(proposer, NgramLookup):  # each step asks lookup, then the table
+        draft_cost = (lookup_seconds(proposer.lookup) + table_seconds(proposer.table)) / step
     else:
         draft_cost = lookup_seconds(proposer) / step
     verify = verify_costs(target, list(range(1, args.k_max + 2)), greedy=sampling.greedy)
@@ -103,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
     report = {"model": args.model, "method": method, "draft_cost": draft_cost, "probe_k": args.probe_k,
               "verify_cost_by_tokens": {str(t): v for t, v in verify.items()}, "categories": {}}  # fmt: skip
     for cat, stats in per_cat.items():
-        a, f = conditional_acceptance(stats), draft_fraction(stats) if method == "prompt-lookup" else 1.0
+        a = conditional_acceptance(stats)
+        f = 1.0 if method == "draft-model" else draft_fraction(stats)  # lookup drafts only on a match
         curve = {k: predicted_speedup(a, k, draft_cost, verify[k + 1], f) for k in range(1, args.k_max + 1)}
         best = max(curve, key=curve.get)
         report["categories"][cat] = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
 
 from verispec.config import ConfigError, SamplingConfig
@@ -80,14 +81,9 @@ def check_model_arguments(args: argparse.Namespace) -> None:
     if args.num_speculative_tokens < 0:
         raise ConfigError(f"--num-speculative-tokens must be >= 0, got {args.num_speculative_tokens}")
     ngrams = getattr(args, "ngrams", None)
-    drafters = (
-        ("--prompt-lookup", args.prompt_lookup),
-        ("a draft model", args.draft_model),
-        ("--ngrams", ngrams),
+    one_drafter(
+        (("--prompt-lookup", args.prompt_lookup), ("a draft model", args.draft_model), ("--ngrams", ngrams))
     )
-    named = [flag for flag, on in drafters if on]
-    if len(named) > 1:
-        raise ConfigError(f"choose one drafter: {' or '.join(named)}, not both")
     if ngrams not in (None, "default"):
         from verispec.ngrams import read_meta
 
@@ -99,6 +95,14 @@ def check_model_arguments(args: argparse.Namespace) -> None:
         if not (Path(args.draft_model).expanduser() / "draft.json").is_file():  # distilled drafts load apart
             resolve(args.draft_model)
             check_gguf_vocab_sizes(args.model, args.draft_model)
+
+
+def one_drafter(options: Sequence[tuple[str, object]]) -> None:
+    """Raise :class:`ConfigError` when more than one of the drafter ``options`` (``(name, value)``
+    pairs; a value that is set names that drafter) is given."""
+    named = [name for name, value in options if value]
+    if len(named) > 1:
+        raise ConfigError(f"choose one drafter: {' or '.join(named)}, not both")
 
 
 def check_gguf_vocab_sizes(target: str, draft: str) -> None:
