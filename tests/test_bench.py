@@ -253,11 +253,25 @@ def test_tune_prints_costs_acceptance_and_a_pick(tiny_model_folder, prompts_file
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     assert report["method"] == "prompt-lookup" and report["draft_cost"] >= 0
+    assert report["probe_k"] == 6  # lookup cuts its drafts by cost: probed at --k-max, then capped
     assert set(report["verify_cost_by_tokens"]) == {str(t) for t in range(1, 8)}
     assert set(report["categories"]) == {"summarization", "coding", "all"}
     for cat in report["categories"].values():
         assert 0 <= cat["acceptance"] <= 1 and 0 <= cat["best_k"] <= 6
         assert set(cat["expected_speedup"]) == {str(k) for k in range(1, 7)}
+
+
+def test_tune_predicts_lookup_from_its_draft_lengths_cut_at_each_k():
+    from verispec.bench.measure import predicted_speedup_by_length
+    from verispec.bench.tune import capped
+
+    assert capped([5, 3, 2, 1], 2) == [5, 3, 3] and capped([5, 3, 2, 1], 3) == [5, 3, 2, 1]
+    assert capped([5, 3], 4) == [5, 3]
+    # 10 plain steps, 10 steps of one draft token, 10 of three; verifying costs nothing extra.
+    lengths, free = [10, 10, 0, 10], {t: 1.0 for t in range(1, 6)}
+    one = predicted_speedup_by_length(0.5, capped(lengths, 1), 0.0, free)
+    three = predicted_speedup_by_length(0.5, capped(lengths, 3), 0.0, free)
+    assert one == pytest.approx((10 + 20 * 1.5) / 30) and three == pytest.approx((10 + 15 + 10 * 1.875) / 30)
 
 
 def test_tune_bad_input_exits_2(prompts_file, capsys):
