@@ -97,3 +97,22 @@ def test_loaded_target_refuses_a_gguf_draft_of_another_size(tiny_model_folder, t
     write_gguf(draft, [f"t{i}" for i in range(100)])
     with pytest.raises(TokenizerMismatchError, match=r"\(target 49152, draft 100\)"):
         build_proposer(target, str(draft), False)
+
+
+def test_conversion_parses_each_gguf_file_once_and_restores_the_module(tmp_path):
+    import gguf
+
+    from verispec.models.loading import _gguf_parsed_once
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, ["a", "b", "c"])
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with pytest.raises(RuntimeError), _gguf_parsed_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first  # the same file: parsed once
+        assert len(first.fields["tokenizer.ggml.tokens"].data) == 3
+        arch = next(iter(gguf.MODEL_ARCH_NAMES))
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+        raise RuntimeError("a conversion that fails")
+    assert gguf.GGUFReader is real_reader and gguf.get_tensor_name_map is real_map
+    assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)

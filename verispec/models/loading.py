@@ -2,18 +2,21 @@
 
 A spec is a short name of a packaged model (``default`` = ``smollm2-135m``, ``gemma3-270m``), a ``.gguf``
 file, a local Hugging Face folder, or a hub id (when online). GGUF files are dequantised by
-transformers to float32 once (30-90 s, mostly the tokenizer) and the result is cached as safetensors
-under ``$VERISPEC_CACHE`` (default ``~/.cache/verispec``), so later loads take about a second.
+transformers to float32 once (SmolLM2-135M: 18 s here, each file parsed once, see
+:func:`_gguf_parsed_once`) and the result is cached as safetensors under ``$VERISPEC_CACHE``
+(default ``~/.cache/verispec``), so later loads take about a second.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,8 +99,9 @@ def converted_folder(gguf: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.warning("converting %s once (cached in %s)", gguf.name, out)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with _gguf_parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The dequantised weights are plain float32: drop the GGUF marker so they can be saved.
     model.hf_quantizer = None
     model.is_quantized = False
@@ -115,6 +119,45 @@ def converted_folder(gguf: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """While a GGUF file is converted: one ``gguf.GGUFReader`` per file and one tensor-name map per
+    architecture and depth, however often transformers asks.
+
+    transformers parses the whole file three times (tokenizer, config, weights; 9 s each for
+    SmolLM2-135M here, most of it in numpy views of each string) and builds the name map once per
+    module of the model (397 times, 15 s). Both are read-only once built. Outside this block the
+    ``gguf`` module is as it was.
+    """
+    try:
+        import gguf
+    except ImportError:  # transformers raises its own clear error
+        yield
+        return
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[str, object] = {}
+    maps: dict[tuple, object] = {}
+
+    def reader(path, *args, **kwargs):
+        if args or kwargs:  # another mode than reading: not shared
+            return real_reader(path, *args, **kwargs)
+        key = str(Path(path).resolve())
+        if key not in readers:
+            readers[key] = real_reader(path)
+        return readers[key]
+
+    def name_map(arch, n_blocks):
+        if (arch, n_blocks) not in maps:
+            maps[arch, n_blocks] = real_map(arch, n_blocks)
+        return maps[arch, n_blocks]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
 
 
 def model_folder(spec: str) -> Path | str:
