@@ -309,8 +309,15 @@ class NgramLookup:
         k = max(wants, default=0)
         if k == 0:
             return self.lookup.propose(slots, committed, num_tokens, params, generators)
-        # On Python lists, one tensor each at the end: after a forward has streamed the weights
-        # through every cache level each small torch call costs tens of microseconds.
+        return point_mass(self.propose_rows(slots, committed, wants), k)
+
+    def propose_rows(
+        self, slots: list[int], committed: list[list[int]], wants: list[int]
+    ) -> list[tuple[list[int], list[float]]]:
+        """:meth:`propose` on Python lists: per row, up to ``wants[i]`` tokens (lookup's or the
+        table's) and each one's estimated chance of acceptance (both empty where neither drafts)."""
+        # After a forward has streamed the weights through every cache level each small torch call
+        # costs tens of microseconds: the engine takes these lists as they are for greedy steps.
         rows = self.lookup.propose_rows(slots, committed, wants)  # [B] (tokens, estimates)
         for row, (slot, toks, want) in enumerate(zip(slots, committed, wants)):
             self._stats.learn(slot, toks)
@@ -328,4 +335,4 @@ class NgramLookup:
                 self.table_drafts += 1
             else:
                 self.lookup_drafts += bool(rows[row][0])
-        return point_mass(rows, k)
+        return rows
