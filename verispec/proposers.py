@@ -253,16 +253,21 @@ class AcceptanceCounts:
 
     def __init__(self, prior: Sequence[float], prior_weight: float):
         self.prior = tuple(float(p) for p in prior)
-        self._prior = np.asarray(self.prior)  # [buckets] float64
         self.prior_weight = float(prior_weight)
-        self._counts: dict[int, np.ndarray] = {}
-        """Per slot, ``[buckets, 2]``: tokens accepted and observed, by bucket."""
+        self._fresh = [p * self.prior_weight / self.prior_weight for p in self.prior]
+        """The estimates of a slot that has seen nothing: the prior, as :meth:`estimates` rounds it."""
+        self._counts: dict[int, tuple[list[float], list[float]]] = {}
+        """Per slot, tokens accepted and tokens observed, by bucket (``[buckets]`` each)."""
+        self._estimates: dict[int, list[float]] = {}
+        """Per slot, :meth:`estimates` as of its last :meth:`learn` (Python floats: after a forward,
+        the numpy calls that computed them at every proposal cost more than the drafting)."""
         self._last: dict[int, tuple[int, list[int], list[int]]] = {}
         """Per slot, the previous proposal: (tokens committed then, its tokens' buckets, its tokens)."""
 
     def start(self, slot: int) -> None:
         """A new sequence in ``slot``: forget what the previous one taught."""
-        self._counts[slot] = np.zeros((len(self.prior), 2))
+        self._counts[slot] = ([0.0] * len(self.prior), [0.0] * len(self.prior))
+        self._estimates[slot] = list(self._fresh)
         self._last.pop(slot, None)
 
     def estimate(self, slot: int, bucket: int) -> float:
@@ -270,13 +275,10 @@ class AcceptanceCounts:
         return self.estimates(slot)[bucket]
 
     def estimates(self, slot: int) -> list[float]:
-        """Per bucket, ``(prior * prior_weight + accepted) / (prior_weight + observed)`` for the slot,
-        in one pass of numpy."""
-        counts = self._counts.get(slot)
-        if counts is None:
-            counts = np.zeros((len(self.prior), 2))
-        ok, seen = counts[:, 0], counts[:, 1]  # [buckets] each
-        return ((self._prior * self.prior_weight + ok) / (self.prior_weight + seen)).tolist()
+        """Per bucket, ``(prior * prior_weight + accepted) / (prior_weight + observed)`` for the slot
+        (a list the caller must not change)."""
+        found = self._estimates.get(slot)
+        return found if found is not None else self._fresh
 
     def remember(self, slot: int, at: int, buckets: Sequence[int], tokens: Sequence[int]) -> None:
         """A proposal of ``tokens`` made when ``at`` tokens were committed."""
@@ -289,11 +291,14 @@ class AcceptanceCounts:
         if last is None or counts is None:
             return
         at, buckets, draft = last
+        ok, seen = counts
         for b, proposed, got in zip(buckets, draft, committed[at : at + len(draft)]):
-            counts[b, 1] += 1
+            seen[b] += 1
             if proposed != got:
                 break
-            counts[b, 0] += 1
+            ok[b] += 1
+        w = self.prior_weight
+        self._estimates[slot] = [(p * w + a) / (w + n) for p, a, n in zip(self.prior, ok, seen)]
 
 
 LOOKUP_VOTE_BELOW = 2
