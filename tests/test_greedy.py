@@ -69,6 +69,46 @@ def test_batch_greedy_equals_rows_alone(tiny_pair):
         assert got.token_ids == alone.token_ids
 
 
+def test_lookup_lists_in_a_batch_with_rows_that_do_not_draft(tiny_pair):
+    """Greedy steps take prompt lookup's drafts as lists (``propose_rows``, never ``propose``), also
+    when only some rows of the batch draft; every row gives what it gives alone."""
+    from verispec.config import GenerationConfig, SamplingConfig
+    from verispec.engine import Engine
+
+    target, _ = tiny_pair
+    calls = {"rows": 0, "tensors": 0}
+
+    class Spy(verispec.PromptLookup):
+        def propose_rows(self, slots, committed, wants):
+            calls["rows"] += 1
+            found = super().propose_rows(slots, committed, wants)
+            assert len(found) == len(slots) and all(len(t) <= w for (t, _), w in zip(found, wants))
+            return found
+
+        def propose(self, *args, **kwargs):
+            calls["tensors"] += 1
+            return super().propose(*args, **kwargs)
+
+    engine = Engine(as_kvmodel(target), Spy())
+    prompts = [repetitive_prompt(24, s).tolist() for s in range(3)]
+    seqs = [
+        engine.new_sequence(
+            p,
+            GenerationConfig(
+                max_new_tokens=20, num_speculative_tokens=k, sampling=SamplingConfig(temperature=0)
+            ),
+        )
+        for p, k in zip(prompts, (3, 0, 5))
+    ]
+    for _ in engine.run(seqs):
+        pass
+    assert calls["rows"] > 0 and calls["tensors"] == 0
+    assert sum(s.stats.draft_tokens for s in seqs) > 0 and seqs[1].stats.draft_tokens == 0
+    for prompt, seq in zip(prompts, seqs):
+        alone = verispec.speculative_generate(target, None, prompt, max_new_tokens=20, temperature=0)
+        assert seq.output_ids == alone.token_ids
+
+
 def test_adaptive_greedy_equals_plain(tiny_pair):
     target, draft = tiny_pair
     prompt = repetitive_prompt()
