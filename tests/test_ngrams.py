@@ -220,7 +220,8 @@ def test_ngrams_command_builds_a_table_the_generate_command_uses(tiny_model_fold
     assert "choose one drafter" in capsys.readouterr().err
 
 
-def test_bench_runs_lookup_with_a_table(tiny_model_folder, tmp_path):
+def tiny_table_and_prompt(tiny_model_folder, tmp_path):
+    """A one-sequence n-gram table bound to the tiny model, and a one-prompt Spec-Bench file."""
     from verispec.distill.shipped import target_id
 
     target = verispec.load_model(str(tiny_model_folder))
@@ -230,6 +231,11 @@ def test_bench_runs_lookup_with_a_table(tiny_model_folder, tmp_path):
     prompts.write_text(
         json.dumps({"question_id": 1, "category": "qa", "turns": ["Why is the sky blue?"]}) + "\n"
     )
+    return table, prompts
+
+
+def test_bench_runs_lookup_with_a_table(tiny_model_folder, tmp_path):
+    table, prompts = tiny_table_and_prompt(tiny_model_folder, tmp_path)
     out = tmp_path / "out"
     args = ["bench", "--model", str(tiny_model_folder), "--prompts", str(prompts), "--max-new-tokens", "6"]
     args += ["--methods", "autoregressive,lookup+ngrams", "-k", "2", "--adaptive", "none", "--no-progress"]
@@ -283,15 +289,7 @@ def test_vllm_ngram_draft_name_means_prompt_lookup():
 
 
 def test_tune_measures_lookup_with_a_table(tiny_model_folder, tmp_path, capsys):
-    from verispec.distill.shipped import target_id
-
-    target = verispec.load_model(str(tiny_model_folder))
-    table = tmp_path / "table"
-    save_table(table, NgramTable([[1, 2, 3]], [0]), {"target_id": target_id(target), "prior": PRIOR})
-    prompts = tmp_path / "q.jsonl"
-    prompts.write_text(
-        json.dumps({"question_id": 1, "category": "qa", "turns": ["Why is the sky blue?"]}) + "\n"
-    )
+    table, prompts = tiny_table_and_prompt(tiny_model_folder, tmp_path)
     args = ["tune", "--model", str(tiny_model_folder), "--prompts", str(prompts), "--max-new-tokens", "6"]
     assert main([*args, "--k-max", "4", "--ngrams", str(table), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

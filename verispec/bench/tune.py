@@ -34,7 +34,13 @@ from verispec.bench.measure import (
 )
 from verispec.bench.methods import MethodConfig, Sampling, run_ours
 from verispec.bench.prompts import load_prompts, select
-from verispec.commands.common import add_device_argument, add_sampling_arguments, one_drafter, sampling_config
+from verispec.commands.common import (
+    add_device_argument,
+    add_ngrams_argument,
+    add_sampling_arguments,
+    one_drafter,
+    sampling_config,
+)
 from verispec.config import ConfigError
 from verispec.models.fast_llama import DTYPES
 from verispec.ngrams import NgramLookup
@@ -51,13 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--draft-model", default=None, help="draft model (default: the shipped draft, else lookup)"
     )
     p.add_argument("--prompt-lookup", action="store_true", help="tune n-gram prompt lookup")
-    p.add_argument(
-        "--ngrams",
-        nargs="?",
-        const="default",
-        default=None,
-        metavar="DIR",
-        help="tune prompt lookup with an n-gram table of the target's answers (the shipped one, or DIR)",
+    add_ngrams_argument(
+        p, "tune prompt lookup with an n-gram table of the target's answers (the shipped one, or DIR)"
     )
     p.add_argument(
         "--prompts", default=None, help="Spec-Bench-format .jsonl (default: the shared Spec-Bench file)"

@@ -25,13 +25,9 @@ def add_model_arguments(p: argparse.ArgumentParser, *, draft_flag: str = "--draf
     p.add_argument(
         "--prompt-lookup", action="store_true", help="draft by n-gram prompt lookup (no second model)"
     )
-    p.add_argument(
-        "--ngrams",
-        nargs="?",
-        const="default",
-        default=None,
-        metavar="DIR",
-        help="draft by prompt lookup plus an n-gram table of the target's own answers "
+    add_ngrams_argument(
+        p,
+        "draft by prompt lookup plus an n-gram table of the target's own answers "
         "(the shipped table, or one made by `verispec ngrams`)",
     )
     p.add_argument(
@@ -45,6 +41,11 @@ def add_model_arguments(p: argparse.ArgumentParser, *, draft_flag: str = "--draf
     )
     p.add_argument("--backend", default="auto", choices=["auto", "fast", "hf"], help="model implementation")
     add_device_argument(p)
+
+
+def add_ngrams_argument(p: argparse.ArgumentParser, help: str) -> None:
+    """``--ngrams [DIR]``: the table shipped for the target (the flag alone) or the one in DIR."""
+    p.add_argument("--ngrams", nargs="?", const="default", default=None, metavar="DIR", help=help)
 
 
 def add_device_argument(p: argparse.ArgumentParser) -> None:
