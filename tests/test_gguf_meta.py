@@ -116,3 +116,24 @@ def test_conversion_parses_each_gguf_file_once_and_restores_the_module(tmp_path)
         raise RuntimeError("a conversion that fails")
     assert gguf.GGUFReader is real_reader and gguf.get_tensor_name_map is real_map
     assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)
+
+
+def test_architecture_string_read_from_the_header(tmp_path):
+    from verispec.models.gguf_meta import string_value
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, ["a", "b"])
+    assert string_value(path, "general.architecture") == "llama"
+    assert string_value(path, "general.name") == "tiny"
+    assert string_value(path, "llama.block_count") is None  # not a string
+    assert string_value(path, "no.such.key") is None and string_value(tmp_path / "none.gguf", "x") is None
+
+
+def test_kernel_compiled_meanwhile_only_where_it_can_be(monkeypatch):
+    from verispec.models import fast_llama
+
+    monkeypatch.setenv("VERISPEC_NO_KERNEL", "1")
+    assert fast_llama.compile_kernel_meanwhile() is None
+    monkeypatch.delenv("VERISPEC_NO_KERNEL")
+    if fast_llama.kernel_available():  # loaded already: nothing to start
+        assert fast_llama.compile_kernel_meanwhile() is None

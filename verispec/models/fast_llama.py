@@ -72,6 +72,7 @@ import hashlib
 import logging
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -105,6 +106,13 @@ def _load_kernel() -> Any:
 
     Returns the extension module, or None (with one logged warning) when it cannot be built.
     """
+    if _kernel_module is not None or _kernel_error is not None:
+        return _kernel_module
+    with _kernel_lock:  # another thread may be compiling it (compile_kernel_meanwhile): wait for it
+        return _load_kernel_once()
+
+
+def _load_kernel_once() -> Any:
     global _kernel_module, _kernel_error
     if _kernel_module is not None or _kernel_error is not None:
         return _kernel_module
@@ -128,6 +136,27 @@ def _load_kernel() -> Any:
     except OSError as exc:  # a read-only or shared cache: keep every build
         logger.debug("verispec: old kernel builds not pruned: %s", exc)
     return _kernel_module
+
+
+_kernel_lock = threading.Lock()
+
+
+def compile_kernel_meanwhile() -> threading.Thread | None:
+    """Start loading the kernel (compiling it on first use) on another thread, and return it; None
+    where the kernel is loaded already or turned off (``VERISPEC_NO_KERNEL``).
+
+    For a first load that converts a GGUF file first (18 s here, on one core): the compiler runs on
+    the other core meanwhile, and the model's own :func:`_load_kernel` waits for it. The thread is
+    not a daemon: a process that ends meanwhile waits for the build to finish rather than leave a
+    half-written build directory and its lock behind.
+    """
+    if _kernel_module is not None or _kernel_error is not None:
+        return None
+    if os.environ.get("VERISPEC_NO_KERNEL", "") not in ("", "0"):
+        return None
+    thread = threading.Thread(target=_load_kernel, name="verispec-kernel-build")
+    thread.start()
+    return thread
 
 
 KERNEL_BASE_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")

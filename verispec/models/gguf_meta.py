@@ -14,6 +14,7 @@ uint64 count and the elements.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -63,23 +64,43 @@ def array_length(path: str | Path, key: str) -> int | None:
     file has no such key (or it is not an array). Raises :class:`GGUFFormatError` (or ``OSError``)
     when the file cannot be read as GGUF."""
     with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise GGUFFormatError(f"{path} is not a GGUF file")
-        version = _read(f, "<I")
-        if version not in (2, 3):
-            raise GGUFFormatError(f"GGUF version {version} (this reader knows 2 and 3)")
-        _read(f, "<Q")  # tensors
-        pairs = _read(f, "<Q")
-        for _ in range(pairs):
-            name_length = _read(f, "<Q")
-            name = f.read(name_length).decode("utf-8", errors="replace")
-            kind = _read(f, "<I")
+        for name, kind in _pairs(f):
             if name == key:
                 if kind != _ARRAY:
                     return None
                 _read(f, "<I")  # element type
                 return _read(f, "<Q")
             _skip_value(f, kind)
+    return None
+
+
+def _pairs(f: BinaryIO) -> Iterator[tuple[str, int]]:
+    """Each metadata key and its value type, the file positioned at the value (which the caller
+    reads or skips before asking for the next pair)."""
+    if f.read(4) != b"GGUF":
+        raise GGUFFormatError(f"{getattr(f, 'name', 'the file')} is not a GGUF file")
+    version = _read(f, "<I")
+    if version not in (2, 3):
+        raise GGUFFormatError(f"GGUF version {version} (this reader knows 2 and 3)")
+    _read(f, "<Q")  # tensors
+    for _ in range(_read(f, "<Q")):
+        name = f.read(_read(f, "<Q")).decode("utf-8", errors="replace")
+        yield name, _read(f, "<I")
+
+
+def string_value(path: str | Path, key: str) -> str | None:
+    """The string ``key`` in the GGUF file's metadata (``general.architecture``: ``llama``), or None
+    when the file has no such string or cannot be read as GGUF."""
+    try:
+        with open(path, "rb") as f:
+            for name, kind in _pairs(f):
+                if name == key:
+                    return (
+                        f.read(_read(f, "<Q")).decode("utf-8", errors="replace") if kind == _STRING else None
+                    )
+                _skip_value(f, kind)
+    except (GGUFFormatError, OSError):
+        return None
     return None
 
 
