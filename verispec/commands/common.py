@@ -91,11 +91,10 @@ def check_model_arguments(args: argparse.Namespace) -> None:
         read_meta(Path(ngrams).expanduser())  # a clear error before any model loads
     from verispec.models.loading import resolve
 
-    resolve(args.model)  # raises ModelNotFoundError with a clear message
+    target = resolve(args.model)  # raises ModelNotFoundError with a clear message
     if args.draft_model and args.draft_model != "default":
         if not (Path(args.draft_model).expanduser() / "draft.json").is_file():  # distilled drafts load apart
-            resolve(args.draft_model)
-            check_gguf_vocab_sizes(args.model, args.draft_model)
+            check_gguf_vocab_sizes(target, resolve(args.draft_model))
 
 
 def one_drafter(options: Sequence[tuple[str, object]]) -> None:
@@ -106,12 +105,14 @@ def one_drafter(options: Sequence[tuple[str, object]]) -> None:
         raise ConfigError(f"choose one drafter: {' or '.join(named)}, not both")
 
 
-def check_gguf_vocab_sizes(target: str, draft: str) -> None:
-    """Where target and draft are both GGUF files, refuse a pair whose token lists differ in length
-    (read from the files' headers), before either model loads."""
-    from verispec.models.loading import gguf_vocab_size
+def check_gguf_vocab_sizes(target: tuple[str, object], draft: tuple[str, object]) -> None:
+    """Where target and draft (``(kind, location)`` as :func:`~verispec.models.loading.resolve`
+    gives them) are both GGUF files, refuse a pair whose token lists differ in length (read from
+    the files' headers), before either model loads."""
+    from verispec.models.gguf_meta import vocab_size
     from verispec.tokenizers import check_vocab_size
 
-    sizes = gguf_vocab_size(target), gguf_vocab_size(draft)
-    if sizes[0] is not None and sizes[1] is not None:
-        check_vocab_size(sizes[0], sizes[1])
+    if target[0] == draft[0] == "gguf":
+        sizes = vocab_size(target[1]), vocab_size(draft[1])
+        if sizes[0] is not None and sizes[1] is not None:
+            check_vocab_size(sizes[0], sizes[1])

@@ -14,7 +14,6 @@ uint64 count and the elements.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -64,19 +63,27 @@ def array_length(path: str | Path, key: str) -> int | None:
     file has no such key (or it is not an array). Raises :class:`GGUFFormatError` (or ``OSError``)
     when the file cannot be read as GGUF."""
     with open(path, "rb") as f:
-        for name, kind in _pairs(f):
-            if name == key:
-                if kind != _ARRAY:
-                    return None
-                _read(f, "<I")  # element type
-                return _read(f, "<Q")
-            _skip_value(f, kind)
-    return None
+        if _seek(f, key) != _ARRAY:
+            return None
+        _read(f, "<I")  # element type
+        return _read(f, "<Q")
 
 
-def _pairs(f: BinaryIO) -> Iterator[tuple[str, int]]:
-    """Each metadata key and its value type, the file positioned at the value (which the caller
-    reads or skips before asking for the next pair)."""
+def string_value(path: str | Path, key: str) -> str | None:
+    """The string ``key`` in the GGUF file's metadata (``general.architecture``: ``llama``), or None
+    when the file has no such string or cannot be read as GGUF."""
+    try:
+        with open(path, "rb") as f:
+            if _seek(f, key) != _STRING:
+                return None
+            return f.read(_read(f, "<Q")).decode("utf-8", errors="replace")
+    except (GGUFFormatError, OSError):
+        return None
+
+
+def _seek(f: BinaryIO, key: str) -> int | None:
+    """Move ``f`` (a GGUF file from its start) to the value of the metadata ``key`` and return its
+    value type; None, wherever the file then stands, when it has no such key."""
     if f.read(4) != b"GGUF":
         raise GGUFFormatError(f"{getattr(f, 'name', 'the file')} is not a GGUF file")
     version = _read(f, "<I")
@@ -85,22 +92,10 @@ def _pairs(f: BinaryIO) -> Iterator[tuple[str, int]]:
     _read(f, "<Q")  # tensors
     for _ in range(_read(f, "<Q")):
         name = f.read(_read(f, "<Q")).decode("utf-8", errors="replace")
-        yield name, _read(f, "<I")
-
-
-def string_value(path: str | Path, key: str) -> str | None:
-    """The string ``key`` in the GGUF file's metadata (``general.architecture``: ``llama``), or None
-    when the file has no such string or cannot be read as GGUF."""
-    try:
-        with open(path, "rb") as f:
-            for name, kind in _pairs(f):
-                if name == key:
-                    return (
-                        f.read(_read(f, "<Q")).decode("utf-8", errors="replace") if kind == _STRING else None
-                    )
-                _skip_value(f, kind)
-    except (GGUFFormatError, OSError):
-        return None
+        kind = _read(f, "<I")
+        if name == key:
+            return kind
+        _skip_value(f, kind)
     return None
 
 
