@@ -133,7 +133,8 @@ def test_kernel_compiled_meanwhile_only_where_it_can_be(monkeypatch):
     from verispec.models import fast_llama
 
     monkeypatch.setenv("VERISPEC_NO_KERNEL", "1")
-    assert fast_llama.compile_kernel_meanwhile() is None
+    assert fast_llama.compile_kernel_meanwhile("llama") is None
     monkeypatch.delenv("VERISPEC_NO_KERNEL")
+    assert fast_llama.compile_kernel_meanwhile("gemma3") is None  # not the fast path's
     if fast_llama.kernel_available():  # loaded already: nothing to start
-        assert fast_llama.compile_kernel_meanwhile() is None
+        assert fast_llama.compile_kernel_meanwhile("llama") is None

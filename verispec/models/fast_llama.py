@@ -141,16 +141,18 @@ def _load_kernel_once() -> Any:
 _kernel_lock = threading.Lock()
 
 
-def compile_kernel_meanwhile() -> threading.Thread | None:
-    """Start loading the kernel (compiling it on first use) on another thread, and return it; None
-    where the kernel is loaded already or turned off (``VERISPEC_NO_KERNEL``).
+def compile_kernel_meanwhile(architecture: str | None) -> threading.Thread | None:
+    """Start loading the kernel (compiling it on first use) on another thread for a model of
+    ``architecture`` (GGUF's ``general.architecture``), and return the thread; None where the
+    fast path does not take that architecture, or the kernel is loaded already or turned off
+    (``VERISPEC_NO_KERNEL``).
 
     For a first load that converts a GGUF file first (18 s here, on one core): the compiler runs on
     the other core meanwhile, and the model's own :func:`_load_kernel` waits for it. The thread is
     not a daemon: a process that ends meanwhile waits for the build to finish rather than leave a
     half-written build directory and its lock behind.
     """
-    if _kernel_module is not None or _kernel_error is not None:
+    if architecture not in _SUPPORTED_TYPES or _kernel_module is not None or _kernel_error is not None:
         return None
     if os.environ.get("VERISPEC_NO_KERNEL", "") not in ("", "0"):
         return None

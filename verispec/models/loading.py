@@ -126,12 +126,10 @@ def _compile_kernel_meanwhile(gguf: Path) -> None:
     """Where a GGUF file holds an architecture of the fast path's, start compiling its kernel on
     another core while the file converts on this one (first use: 18 s of conversion beside 45 s of
     compiling, where one followed the other)."""
+    from verispec.models.fast_llama import compile_kernel_meanwhile
     from verispec.models.gguf_meta import string_value
 
-    if string_value(gguf, "general.architecture") in ("llama", "mistral", "qwen2"):
-        from verispec.models.fast_llama import compile_kernel_meanwhile
-
-        compile_kernel_meanwhile()
+    compile_kernel_meanwhile(string_value(gguf, "general.architecture"))
 
 
 @contextlib.contextmanager
