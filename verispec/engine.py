@@ -420,13 +420,12 @@ class Engine:
         for i in rows:
             seqs[i].cut_by_cost = True
         sub_num = [min(len(tokens), k) for (tokens, _), k in zip(found, sub_ks)]
-        if any(sub_num):
-            estimates = [list(probs) for _, probs in found]
-            sub_num = self._worth_verifying([seqs[i] for i in rows], estimates, sub_num, len(seqs), context)
+        estimates = [probs for _, probs in found]  # [n][k_i]
+        sub_num = self._worth_verifying([seqs[i] for i in rows], estimates, sub_num, len(seqs), context)
         drafts: list[list[int]] = [[] for _ in seqs]
         drafted = [0] * len(seqs)
         for i, (tokens, _), n in zip(rows, found, sub_num):
-            drafts[i], drafted[i] = list(tokens[:n]), n
+            drafts[i], drafted[i] = tokens[:n], n
         return drafts, drafted, None
 
     def _worth_verifying_tree(
