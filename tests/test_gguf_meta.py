@@ -63,10 +63,10 @@ def test_packaged_default_model_count_is_its_tokenizers(default_model_folder):
     assert gguf_vocab_size(str(default_model_folder)) is None  # a folder: no header to read
 
 
-def test_gguf_draft_of_another_size_is_refused_before_converting(tmp_path, monkeypatch):
-    from verispec.commands.common import check_model_arguments
+@pytest.fixture
+def other_gguf_unconverted(tmp_path, monkeypatch):
+    """A GGUF draft of 100 tokens, and any conversion of a GGUF file failing the test."""
     from verispec.models import loading
-    from verispec.tokenizers import TokenizerMismatchError
 
     def no_conversion(*_args, **_kwargs):
         raise AssertionError("converted a GGUF file to check its tokenizer")
@@ -74,6 +74,14 @@ def test_gguf_draft_of_another_size_is_refused_before_converting(tmp_path, monke
     monkeypatch.setattr(loading, "converted_folder", no_conversion)
     draft = tmp_path / "other.gguf"
     write_gguf(draft, [f"t{i}" for i in range(100)])
+    return draft
+
+
+def test_gguf_draft_of_another_size_is_refused_before_converting(other_gguf_unconverted):
+    from verispec.commands.common import check_model_arguments
+    from verispec.tokenizers import TokenizerMismatchError
+
+    draft = other_gguf_unconverted
     args = argparse.Namespace(
         model="default", draft_model=str(draft), prompt_lookup=False, num_speculative_tokens=4, ngrams=None
     )
@@ -81,20 +89,13 @@ def test_gguf_draft_of_another_size_is_refused_before_converting(tmp_path, monke
         check_model_arguments(args)
 
 
-def test_loaded_target_refuses_a_gguf_draft_of_another_size(tiny_model_folder, tmp_path, monkeypatch):
+def test_loaded_target_refuses_a_gguf_draft_of_another_size(tiny_model_folder, other_gguf_unconverted):
     from verispec import load_model
     from verispec.commands.drafters import build_proposer
-    from verispec.models import loading
     from verispec.tokenizers import TokenizerMismatchError
 
     target = load_model(str(tiny_model_folder))
-
-    def no_conversion(*_args, **_kwargs):
-        raise AssertionError("converted a GGUF file to check its tokenizer")
-
-    monkeypatch.setattr(loading, "converted_folder", no_conversion)
-    draft = tmp_path / "other.gguf"
-    write_gguf(draft, [f"t{i}" for i in range(100)])
+    draft = other_gguf_unconverted
     with pytest.raises(TokenizerMismatchError, match=r"\(target 49152, draft 100\)"):
         build_proposer(target, str(draft), False)
 
