@@ -1028,7 +1028,7 @@ constexpr int64_t kPrefetchBytes = 24 * 1024;
 // min / median, ms per step): int8, 1 token, 8.53 / 10.16 -> 7.71 / 8.97 (30 rounds) and 7.80 /
 // 8.20 -> 6.41 / 7.37 (16); float32 (its head's int8 screen is such a pass) 8.74 / 10.08 -> 8.37 /
 // 9.69. 512 bytes or 2 KB ahead, or the T1 or T0 hints at 1 KB, gained less; the same hint on the
-// float32 4-bit blocks' own prefetch gained nothing. Builds with AVX-512 keep no prefetch (not
+// float32 4-bit blocks' own prefetch gained nothing. Builds with AVX-512 keep no such prefetch (not
 // measured there).
 constexpr int64_t kQuietPrefetch = 1024;
 
@@ -1316,15 +1316,27 @@ constexpr int blocks_rows(int MR) { return MR == 1 ? 8 : MR <= 3 ? 4 : 2; }
 // (`tile_blocks`, same layout), 1 token 3.42 / 4.91, 2 4.11 / 6.60, 5 7.78 / 12.73, 8 12.33 / 19.18;
 // with half the pairs (2 for one or two rows, 1 for 3-8) 1 token 3.66 -> 4.08, 3 5.92 -> 7.40. In
 // separate runs, before the 8-row groups (`Grouped`) and after: 1 token 4.14 -> 3.2-3.5.
+// `pf` (bytes, 0: none): prefetch the group's block that far ahead, as `tile_blocks` does; a
+// group's first tile asks it (`blocks_z_rows`). On the 2-core Xeon (session 33; AVX-512 and AMX,
+// two 512-bit multiply-add ports; greedy step at 200 cached tokens, two builds over one copy of
+// the weights alternating in one process, benchmarks/kernel_ab.py, 8 rounds of 5, min / median,
+// ms): 1 token 8.12 / 8.91 -> 6.65 / 7.05, 5 tokens 13.08 / 13.49 -> 9.29 / 9.78, 9 tokens 19.28 /
+// 19.93 -> 17.30 / 18.42 (with the five- and six-row tiles below). Without it, a fifth of the
+// 5-row tile's samples sat on the first load of each block's scales. 2048 or 8192 bytes ahead did
+// no better.
 template <int MR, int NP, typename B>
 inline void tile_blocks_z(const float* x, int64_t ldx, const B& blocks, const float* bias, float* y,
-                          int64_t ldy, bool accumulate) {
+                          int64_t ldy, bool accumulate, int64_t pf) {
   __m512 acc[MR][NP];
 #pragma GCC unroll 12
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
     for (int p = 0; p < NP; ++p) acc[i][p] = _mm512_setzero_ps();
+  const auto at = blocks.walk();
   for (int64_t b = 0; b < blocks.nb; ++b) {
+    if (pf != 0)
+      for (int64_t o = 0; o < at.step; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(at.codes + b * at.step + pf + o), _MM_HINT_T0);
     __m512 w[NP][4];
 #pragma GCC unroll 4
     for (int p = 0; p < NP; ++p) blocks.widen2(2 * p, b, w[p]);
@@ -1349,8 +1361,10 @@ inline void tile_blocks_z(const float* x, int64_t ldx, const B& blocks, const fl
 // process, /tmp/s25/ab2.py), with `finish_pairs` beside it: 2 tokens 3.82 -> 3.42, 3 tokens 4.55
 // -> 4.09, 4 tokens 5.46 -> 4.99, 5 tokens 6.86 -> 6.51; 1 and 8 tokens unchanged. (Two models
 // loaded side by side differed by up to 30% at 5-8 tokens with the same build: compare builds
-// over one copy of the weights.)
-constexpr int blocks_z_pairs(int MR) { return MR <= 4 ? 4 : MR <= 8 ? 2 : 1; }
+// over one copy of the weights.) Five and six rows too (20-24 accumulators; GCC then keeps some of
+// the widened weights on the stack): on the 2-core Xeon (session 33, without the prefetch below,
+// greedy step at 200 cached tokens, median of 15, ms) 5 tokens 12.5 -> 11.5, 6 tokens 13.5 -> 12.6.
+constexpr int blocks_z_pairs(int MR) { return MR <= 6 ? 4 : MR <= 8 ? 2 : 1; }
 
 // Weight rows n0 .. n0+nr (nr even) of blocks against MR input rows.
 template <int MR, typename B>
@@ -1359,9 +1373,11 @@ inline void blocks_z_rows(const float* x, int64_t ldx, const B& blocks, int64_t 
   constexpr int NP = blocks_z_pairs(MR);
   int64_t j = 0;
   for (; j + 2 * NP <= nr; j += 2 * NP)
-    tile_blocks_z<MR, NP>(x, ldx, blocks.rows(j), bias ? bias + j : nullptr, y + j, ldy, accumulate);
+    tile_blocks_z<MR, NP>(x, ldx, blocks.rows(j), bias ? bias + j : nullptr, y + j, ldy, accumulate,
+                          j == 0 ? kBlockPrefetchBytes : 0);
   for (; j < nr; j += 2)
-    tile_blocks_z<MR, 1>(x, ldx, blocks.rows(j), bias ? bias + j : nullptr, y + j, ldy, accumulate);
+    tile_blocks_z<MR, 1>(x, ldx, blocks.rows(j), bias ? bias + j : nullptr, y + j, ldy, accumulate,
+                         j == 0 ? kBlockPrefetchBytes : 0);
 }
 
 // Most input rows per pass of the block tiles: each pass widens the blocks again. (How many rows a

@@ -117,16 +117,7 @@ def _load_kernel_once() -> Any:
     if _kernel_module is not None or _kernel_error is not None:
         return _kernel_module
     try:
-        capability = torch.backends.cpu.get_cpu_capability()
-        if capability not in ("AVX2", "AVX512"):
-            raise RuntimeError(f"CPU capability is {capability}, the kernel needs AVX2 and FMA")
-        flags = list(KERNEL_BASE_FLAGS)
-        if capability == "AVX512" and getattr(torch.cpu, "_is_vnni_supported", lambda: False)():
-            # int8 products in one instruction, not two (and with AVX-512BW, for two weight rows)
-            flags += ["-mavx512vnni", "-mavx512vl", "-mavx512bw"]
-        if capability == "AVX512":
-            flags += ["-mavx512f"]  # float32 products in 512-bit tiles
-        _kernel_module, build = compile_kernel(flags)
+        _kernel_module, build = compile_kernel(kernel_flags())
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path"
         _kernel_error = f"{type(exc).__name__}: {exc}"
         logger.warning("verispec fast kernel unavailable, using torch matmuls: %s", _kernel_error)
@@ -162,7 +153,22 @@ def compile_kernel_meanwhile(architecture: str | None) -> threading.Thread | Non
 
 
 KERNEL_BASE_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
-"""What every build of the kernel needs; :func:`_load_kernel` adds the AVX-512 flags the CPU has."""
+"""What every build of the kernel needs; :func:`kernel_flags` adds the AVX-512 flags the CPU has."""
+
+
+def kernel_flags() -> list[str]:
+    """The compiler flags the kernel is built with on this CPU: :data:`KERNEL_BASE_FLAGS`, plus
+    AVX-512 where torch finds it. Raises RuntimeError on a CPU without AVX2."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        raise RuntimeError(f"CPU capability is {capability}, the kernel needs AVX2 and FMA")
+    flags = list(KERNEL_BASE_FLAGS)
+    if capability == "AVX512" and getattr(torch.cpu, "_is_vnni_supported", lambda: False)():
+        # int8 products in one instruction, not two (and with AVX-512BW, for two weight rows)
+        flags += ["-mavx512vnni", "-mavx512vl", "-mavx512bw"]
+    if capability == "AVX512":
+        flags += ["-mavx512f"]  # float32 products in 512-bit tiles
+    return flags
 
 
 def compile_kernel(flags: Sequence[str]) -> tuple[Any, Path]:

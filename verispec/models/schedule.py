@@ -93,18 +93,22 @@ size a prompt is one kernel call anyway, and far past the measured lengths (at m
 longest, :data:`PREFILL_LONG`) a line is a guess."""
 
 BLOCKS_ENV = "VERISPEC_BLOCK_ROWS"
-BLOCKS_KEY = "blocks-v2|"
+BLOCKS_KEY = "blocks-v3|"
 """Prefix of the cached block-row crossings' keys (:func:`apply_blocks`); changed whenever either
 path's cost changes, so that every machine measures again. v2 (session 26): the block tiles without
-AVX-512 redone (one-token step on a Zen 3 EPYC about 30% faster)."""
+AVX-512 redone (one-token step on a Zen 3 EPYC about 30% faster). v3 (session 33): the 512-bit block
+tiles prefetch (a one-token float32 step on the 2-core Xeon 8.1 -> 6.7 ms, five tokens 13.1 ->
+9.3)."""
 BLOCK_WIDTHS = (2, 4, 6, 8, 10, 12, 14, 16)
 """Call widths :func:`measure_blocks` times: decoding, verification of 1-15 drafts."""
 
-STEPS_KEY = "steps-v2|"
+STEPS_KEY = "steps-v3|"
 """Prefix of the cached step-cost curves' keys (:func:`apply_step_costs`); changed whenever the
 kernel's cost by call width changes, so that every machine measures again. v2 (session 30): one-row
 int8 passes prefetch (a one-token step about 10% faster on a Zen 3 EPYC), and the curve times the
-greedy step's own call (``forward_greedy``), without the tensors around ``forward``."""
+greedy step's own call (``forward_greedy``), without the tensors around ``forward``. v3 (session 33):
+the 512-bit block tiles prefetch, and take 5-6 rows against all four pairs of a group (on the Xeon,
+five tokens 1.61 -> 1.40 times one)."""
 STEP_WIDTHS = 9
 """Widths :func:`measure_steps` times: 1 to 9 tokens, verifying up to 8 drafts."""
 STEP_CONTEXT = 128
