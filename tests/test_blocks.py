@@ -223,6 +223,47 @@ def test_timing_the_blocks_leaves_the_model_as_it_was() -> None:
     assert torch.equal(model.forward(ids, rows=[0]), fresh.forward(ids))
 
 
+class _KernelSpy:
+    """A kernel object that records the limits it is given and passes everything on."""
+
+    def __init__(self, kernel: object) -> None:
+        self.kernel = kernel
+        self.block_rows: list[tuple[int, int]] = []
+
+    def set_block_rows(self, layers: int, head: int) -> None:
+        self.block_rows.append((layers, head))
+        self.kernel.set_block_rows(layers, head)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.kernel, name)
+
+
+@requires_kernel
+def test_timing_the_schedules_times_greedy_steps_that_read_the_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``schedule.measure`` times the steps greedy decoding makes, as they run: the greedy call, with
+    the model's blocks still read (the schedules differ there in the head screen's int8 pass), and
+    hands the model back empty, on the default schedule."""
+    model = FastLlama.from_hf(_q4_llama(), dtype="float32", max_batch_size=2)
+    spy = _KernelSpy(model._kernel)
+    model._kernel = spy
+    steps: list[int] = []
+    greedy = model.forward_greedy
+
+    def counted(lines: list[list[int]], rows: list[int]) -> list[list[int]]:
+        steps.append(len(lines[0]))
+        return greedy(lines, rows)
+
+    monkeypatch.setattr(model, "forward_greedy", counted)
+    times = schedule.measure(model, rounds=2, context=16)
+    assert set(times) == set(schedule.SCHEDULES) and all(len(v) == 2 for v in times.values())
+    assert sorted(steps) == [1] * 6 + [5] * 6  # 3 rounds (one warm-up) x 2 schedules, 1 and 5 tokens
+    assert spy.block_rows == []  # the blocks were never turned off
+    assert tuple(spy.get_schedule()) == schedule.SCHEDULES[schedule.DEFAULT]
+    assert model._batch == 2 and model.lengths.tolist() == [0, 0]
+
+
 @pytest.mark.slow
 @requires_kernel
 def test_a_build_without_avx512_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:

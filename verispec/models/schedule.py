@@ -116,6 +116,15 @@ STEP_CONTEXT = 128
 MEASURE_CONTEXT = 64
 """Cached tokens before the calls :func:`measure` and :func:`measure_blocks` time."""
 
+SCHEDULE_KEY = "schedule-v2|"
+"""Prefix of the cached schedules' keys (:func:`apply`); changed whenever what :func:`measure` times
+changes. v2 (session 33): greedy steps as decoding runs them, with the model's 4-bit blocks and its
+head's int8 screen. Before (no prefix), the float32 matrices alone with the last position's whole
+logits: for a float32 GGUF model, whose steps read the blocks, that timed calls decoding never makes,
+and on the 2-core Xeon it kept one stream, while two streams, whose one-row passes prefetch, speed
+the head screen's int8 pass: SmolLM2-135M's greedy step at 200 cached tokens, both schedules
+alternating in one process (8 rounds of 5, min / median, ms), 1 token 6.09 / 6.72 -> 5.63 / 6.26,
+5 tokens 8.70 / 9.47 -> 8.96 / 9.53."""
 MIN_TUNED_BYTES = 64 * 2**20
 """Models whose weights are smaller keep :data:`DEFAULT` untimed: they stay in the caches, where the
 schedules differ by little, and tests build many tiny models."""
@@ -167,28 +176,32 @@ def faster(seconds: dict[str, list[float]], margin: float = 0.03) -> str:
 
 @torch.no_grad()
 def measure(model: Any, rounds: int = 6, context: int = MEASURE_CONTEXT) -> dict[str, list[float]]:
-    """Seconds of a one-token plus a five-token forward of ``model`` (a kernel ``FastLlama``) after
-    ``context`` tokens, per schedule, the schedules interleaved over ``rounds`` (the first is warm-up
-    and not kept). Leaves the model's cache empty, for as many rows as before, and its kernel on
-    :data:`DEFAULT`."""
+    """Seconds of a one-token plus a five-token greedy step of ``model`` (a kernel ``FastLlama``)
+    after ``context`` tokens, per schedule, the schedules interleaved over ``rounds`` (the first is
+    warm-up and not kept). Each step is the call greedy decoding makes (``forward_greedy`` where the
+    model has it, else ``forward(..., logits="argmax")``), reading whatever the model's steps read:
+    its 4-bit blocks and its head's int8 screen where it has them (see :data:`SCHEDULE_KEY`).
+    Leaves the model's cache empty, for as many rows as before, and its kernel on :data:`DEFAULT`."""
     kernel, batch = model._kernel, model._batch
     ids = torch.arange(context + 5).remainder(model.vocab_size).view(1, -1)  # [1, context + 5]
-    kernel.set_block_rows(0, 0)  # the schedule is how the float32 matrices are read, not the blocks
     model.reset(1)
     model.forward(ids[:, :context], logits="none")
     back = torch.tensor([context])
+    greedy = getattr(model, "forward_greedy", None)
     times: dict[str, list[float]] = {name: [] for name in SCHEDULES}
     for r in range(rounds + 1):
         for name in SCHEDULES if r % 2 else reversed(SCHEDULES):
             kernel.set_schedule(*SCHEDULES[name])
             start = time.perf_counter()
             for t in (1, 5):
-                model.forward(ids[:, context : context + t], logits="last")
+                if greedy is not None:
+                    greedy([ids[0, context : context + t].tolist()], [0])
+                else:
+                    model.forward(ids[:, context : context + t], logits="argmax")
                 model.truncate(back)
             if r:
                 times[name].append(time.perf_counter() - start)
     kernel.set_schedule(*SCHEDULES[DEFAULT])
-    kernel.set_block_rows(model.q4_rows, model.head_q8_rows)
     model.reset(batch)
     return times
 
@@ -276,7 +289,7 @@ def apply(model: Any) -> str:
     else:
         name = _cached(
             model,
-            "",
+            SCHEDULE_KEY,
             lambda v: v in SCHEDULES,
             lambda: faster(measure(model)),
             f"two ways of reading {model.dtype} weights",
