@@ -4,7 +4,8 @@ Two models loaded side by side can differ by a fifth or more with the same build
 (where their weights land in memory), and timings drift within minutes. So this compiles both
 sources (two versions of ``verispec/csrc/fast_llama.cpp``), loads the model once, builds one kernel
 object per source over the same weight tensors and cache, and times greedy steps of each width with
-each kernel in turn, round after round. It prints, per source, min / median ms per width.
+each kernel in turn, round after round (each kernel first in every other round). It prints, per
+source, min / median ms per width.
 
     flock /tmp/verispec-cpu.lock python benchmarks/kernel_ab.py OLD.cpp NEW.cpp [--dtype float32]
         [--rounds 8] [--reps 5] [--context 200] [--widths 1 2 3 4 5 6 9]
@@ -53,8 +54,9 @@ def main() -> None:
         kernels.append(kernel)
 
     times: list[dict[int, list[float]]] = [{t: [] for t in args.widths} for _ in kernels]
-    for _ in range(args.rounds):
-        for kernel, got in zip(kernels, times):
+    pairs = list(zip(kernels, times))
+    for r in range(args.rounds):
+        for kernel, got in pairs if r % 2 == 0 else reversed(pairs):  # each goes first half the time
             model._kernel = kernel
             for t, secs in time_forwards(model, args.widths, args.context, args.reps, "greedy").items():
                 got[t] += secs
