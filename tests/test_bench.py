@@ -480,6 +480,17 @@ def test_a_peer_probe_reports_how_its_child_failed(tmp_path) -> None:
     assert failure is not None and failure.startswith("exit status 1")
 
 
+def test_a_llama_cpp_crash_on_an_amx_cpu_names_the_build_without_amx() -> None:
+    from verispec.bench.peers import llama_cpp_failure_note
+
+    amx = "Intel(R) Xeon(R) Processor (family 6, model 167; avx2+avx512f+avx512_vnni+avx512_bf16+amx_tile)"
+    crash = llama_cpp_failure_note("killed by SIGSEGV", amx)
+    assert crash.startswith("llama.cpp failed on this machine (killed by SIGSEGV): llama.cpp skipped")
+    assert "without AMX" in crash and "session 33" in crash
+    assert "AMX" not in llama_cpp_failure_note("killed by SIGSEGV", "AMD EPYC (family 25, model 1; avx2)")
+    assert "AMX" not in llama_cpp_failure_note("exit status 1: no model here", amx)
+
+
 def test_bandwidth_goal_of_a_format_read_as_4bit_blocks_uses_the_float32_bound():
     """Where float32 matrices are read as their exact 4-bit blocks, the goal is judged against the
     bound of reading the float32 matrices (the issue's), and the value shows both fractions."""

@@ -32,13 +32,20 @@ from verispec.bench.measure import (
     weight_bytes,
 )
 from verispec.bench.methods import METHODS, OURS, SPECULATIVE, MethodConfig, Sampling, run_ours
-from verispec.bench.peers import HFPeer, LlamaCppPeer, llama_cpp_available, llama_cpp_failure
+from verispec.bench.peers import (
+    HFPeer,
+    LlamaCppPeer,
+    llama_cpp_available,
+    llama_cpp_failure,
+    llama_cpp_failure_note,
+)
 from verispec.bench.prompts import load_prompts, select
 from verispec.bench.report import goal_checks, markdown, plot_all
 from verispec.bench.runner import ALL, aggregate, run_interleaved
 from verispec.commands.common import add_device_argument, add_sampling_arguments, sampling_config
 from verispec.config import ConfigError
 from verispec.models.fast_llama import DTYPES
+from verispec.models.schedule import cpu_name
 from verispec.proposers import DraftModelProposer, PromptLookup
 from verispec.stats import GenerationStats
 
@@ -278,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
         elif kind != "gguf":
             notes.append("llama.cpp needs a GGUF model; the target is not one: llama.cpp skipped")
         elif (failure := llama_cpp_failure(Path(where), torch.get_num_threads())) is not None:
-            notes.append(f"llama.cpp failed on this machine ({failure}): llama.cpp skipped")
+            notes.append(llama_cpp_failure_note(failure, cpu_name()))
         else:
             longest = max(len(ids) for ids in encoded) + args.max_new_tokens + 64
             llama = LlamaCppPeer(

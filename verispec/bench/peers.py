@@ -67,6 +67,20 @@ def llama_cpp_failure(gguf: Path, threads: int, timeout: float = 120.0) -> str |
     return child_failure([sys.executable, "-c", _LLAMA_CPP_PROBE, str(gguf), str(threads)], timeout)
 
 
+def llama_cpp_failure_note(failure: str, cpu: str) -> str:
+    """The bench's note for a llama.cpp build that failed its probe (``failure``, from
+    :func:`llama_cpp_failure`) on a CPU named ``cpu`` (``schedule.cpu_name()``): on a CPU with AMX,
+    where native builds' AMX path has segfaulted here (session 33: in ``ggml_backend_amx_mul_mat``),
+    it names the fix."""
+    note = f"llama.cpp failed on this machine ({failure}): llama.cpp skipped"
+    if "amx" in cpu and failure.startswith("killed by"):
+        note += (
+            "; its AMX path has crashed on such CPUs, and a build without AMX runs"
+            " (benchmarks/README.md, session 33, gives the CMAKE_ARGS)"
+        )
+    return note
+
+
 class _Clock:
     """A transformers streamer that notes when the first new tokens arrive (the first put is the prompt)."""
 
