@@ -48,8 +48,7 @@ def main() -> None:
     for module in modules:
         fast_llama._kernel_module = module
         kernel = model._build_kernel()
-        kernel.set_schedule(*schedule)
-        kernel.set_block_rows(model.q4_rows, model.head_q8_rows)
+        kernel.set_schedule(*schedule)  # _build_kernel gives it the model's block rows, not its schedule
         kernel.set_cache(model.k_cache, model.v_cache)
         kernels.append(kernel)
 

@@ -40,6 +40,7 @@ the prior it starts from.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -187,17 +188,14 @@ def measure(model: Any, rounds: int = 6, context: int = MEASURE_CONTEXT) -> dict
     model.reset(1)
     model.forward(ids[:, :context], logits="none")
     back = torch.tensor([context])
-    greedy = getattr(model, "forward_greedy", None)
+    calls = _calls(model, ids, context, (1, 5), "greedy")
     times: dict[str, list[float]] = {name: [] for name in SCHEDULES}
     for r in range(rounds + 1):
         for name in SCHEDULES if r % 2 else reversed(SCHEDULES):
             kernel.set_schedule(*SCHEDULES[name])
             start = time.perf_counter()
-            for t in (1, 5):
-                if greedy is not None:
-                    greedy([ids[0, context : context + t].tolist()], [0])
-                else:
-                    model.forward(ids[:, context : context + t], logits="argmax")
+            for call in calls.values():
+                call()
                 model.truncate(back)
             if r:
                 times[name].append(time.perf_counter() - start)
@@ -473,6 +471,20 @@ def apply_prefill(model: Any) -> int:
     return value
 
 
+def _calls(
+    model: Any, ids: torch.Tensor, context: int, widths: Sequence[int], logits: str
+) -> dict[int, Callable[[], object]]:
+    """Per width T of ``widths``, the call that feeds ``ids[:, context : context + T]`` (``ids``
+    ``[1, >= context + T]``) to row 0 of ``model`` asking for ``logits``; ``"greedy"``: the call a
+    greedy step makes, the model's ``forward_greedy`` where it has one (the kernel's argmax on
+    Python ints, the line built here, outside any timing), else ``forward(..., logits="argmax")``."""
+    greedy = getattr(model, "forward_greedy", None) if logits == "greedy" else None
+    mode = "argmax" if logits == "greedy" else logits
+    if greedy is not None:
+        return {t: functools.partial(greedy, [ids[0, context : context + t].tolist()], [0]) for t in widths}
+    return {t: functools.partial(model.forward, ids[:, context : context + t], logits=mode) for t in widths}
+
+
 @torch.no_grad()  # not inference_mode: reset() here makes state tensors that later calls update in place
 def time_forwards(
     model: Any, widths: Sequence[int], context: int, rounds: int, logits: str
@@ -492,16 +504,11 @@ def time_forwards(
     model.forward(ids[:, :context], logits="none")
     back = torch.tensor([context])
     times: dict[int, list[float]] = {t: [] for t in widths}
-    greedy = getattr(model, "forward_greedy", None) if logits == "greedy" else None
-    mode = "argmax" if logits == "greedy" else logits
-    lines = {t: [ids[0, context : context + t].tolist()] for t in widths}
+    calls = _calls(model, ids, context, widths, logits)
     for r in range(rounds + 1):
         for t in widths:
             start = time.perf_counter()
-            if greedy is not None:
-                greedy(lines[t], [0])
-            else:
-                model.forward(ids[:, context : context + t], logits=mode)
+            calls[t]()
             elapsed = time.perf_counter() - start
             model.truncate(back)
             if r:  # the first round is warm-up
