@@ -31,7 +31,8 @@
 // Compiled at first use by torch.utils.cpp_extension.load with -mavx2 -mfma (and -mavx512vnni
 // -mavx512vl -mavx512bw where the CPU has them; every build gives bitwise the same integers; and
 // -mavx512f on AVX-512 CPUs, for `tile2p_z` and `tile_blocks_z`, whose float32 products are bitwise
-// those of the 256-bit tiles).
+// those of the 256-bit tiles; and -mamx-tile -mamx-int8 where the CPU has AMX, for `linear_amx`,
+// whose int8 products are bitwise those of the VNNI tiles).
 
 // The headers are the parts of torch this file uses, not <torch/extension.h>: that one (all of
 // torch's C++ API) took 52 s of the 85 s build on a 2-core Zen 3 EPYC, these take 21 s.
@@ -42,6 +43,8 @@
 #include <ATen/ops/from_blob.h>
 #include <immintrin.h>
 #include <pybind11/stl.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
@@ -711,6 +714,197 @@ inline void quantize_rows_i16(const float* x, int64_t M, int64_t ldx, int64_t K,
     }
   }
 }
+
+// int8 products on AMX tiles (Intel's tile matrix unit; built with -mamx-tile -mamx-int8 where the
+// CPU has them, used where FastLlama asks for it with `set_amx`). The int16 activations of
+// `quantize_rows_i16` split exactly into bytes, q = 256 * hi + lo with hi = q >> 8 in -128 .. 127
+// and lo = q & 255 in 0 .. 255, so a dot product with int8 weights is 256 * (hi . w) + (lo . w):
+// one signed x signed tile product (TDPBSSD) and one unsigned x signed (TDPBUSD) per 64 columns
+// of up to 16 input rows and 16 weight rows, each summed exactly in int32 (|lo . w| <= 255 * 127 *
+// K < 2^31 for K <= 65536). These are the very integers `tile_q` sums, scaled by the same double
+// products once at the end, so every output is bitwise the VNNI tiles'. One tile product
+// multiplies a 64 x 16 block of weights by up to 16 input rows at once.
+//
+// The weights are held once more, as tiles: [N / 16][K / 64][16][16][4] (`amx_pack`), each tile 1 KB
+// read as one stream: row g holds columns 4g .. 4g + 3 of each of the 16 weight rows (the layout
+// a tile product's second operand takes). The activations' hi and lo bytes are row-major [M, K].
+constexpr int64_t kAmxRows = 16;  // weight rows per tile, input rows per tile product at most
+constexpr int64_t kAmxCols = 64;  // columns per tile
+constexpr int64_t kAmxTile = kAmxRows * kAmxCols;
+// Bytes ahead the first pass over a pair of weight tiles prefetches in each tile's stream, into L2
+// (as `linear`'s kPrefetchBytes). SmolLM2-135M in int8 on the Xeon, one kernel switching settings
+// round by round, greedy step at 200 cached tokens, 1 / 5 tokens, min / median, ms: (/tmp/s34/sweep.py,
+// 30 steps each) 2 KB into L1 4.76 / 5.39, 6.11 / 6.59; 16 KB into L2 4.08 / 4.45, 5.46 / 5.88; 24 KB
+// into L2 4.01 / 4.57, 5.34 / 5.87; none 5.29 / 5.69, 6.59 / 6.95; (/tmp/s34/sweep2.py, 40 each)
+// 24 KB into L2 3.77 / 4.41, 5.26 / 5.67; into L1 4.08 / 4.63, 5.40 / 6.00; 32 KB alike 24.
+constexpr int64_t kAmxPrefetch = 24 * 1024;
+
+// Whether this build has the AMX tiles and the kernel (Linux) lets this process use them.
+bool amx_ready() {
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;  // arch_prctl(ARCH_REQ_XCOMP_PERM, ...)
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// Whether `linear_amx` can take w [N, K].
+inline bool amx_shape_ok(int64_t n, int64_t k) {
+  return n % kAmxRows == 0 && k % kAmxCols == 0 && k <= 65536;
+}
+
+// int8 w [N, K], row-major or pair-interleaved (`paired`), -> its tiles [N / 16][K / 64][16][16][4].
+at::Tensor amx_pack(const i8* w, int64_t N, int64_t K, bool paired) {
+  TORCH_CHECK(amx_shape_ok(N, K), "AMX tiles need N % 16 == 0 and K % 64 == 0, K <= 65536");
+  auto out = at::empty({N, K}, at::TensorOptions().dtype(at::kChar));
+  i8* o = reinterpret_cast<i8*>(out.data_ptr());
+  constexpr int64_t C = kPairChunk<i8>;
+  const int64_t S = K / kAmxCols;
+  at::parallel_for(0, N / kAmxRows, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t r = 0; r < kAmxRows; ++r) {
+        const int64_t n = t * kAmxRows + r;
+        for (int64_t k = 0; k < K; ++k) {
+          const i8 v = paired ? w[(n / 2) * 2 * K + (k / C) * 2 * C + (n % 2) * C + k % C] : w[n * K + k];
+          o[(t * S + k / kAmxCols) * kAmxTile + (k % kAmxCols) / 4 * 64 + r * 4 + k % 4] = v;
+        }
+      }
+  });
+  return out;
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: sums of input rows with weight tile a (hi, lo), then b (hi, lo), [mc][16] int32; 4, 5:
+// the input rows' hi and lo bytes [mc][64]; 6, 7: weight tiles a and b.
+inline void amx_configure(int64_t mc) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(t < 6 ? mc : kAmxRows);
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Rows of int16 q [M, K] as their high bytes hi (q >> 8) and low bytes lo (q & 255), [M, K] each;
+// K a multiple of 32.
+inline void split_bytes(const int16_t* q, int64_t M, int64_t K, i8* hi, uint8_t* lo) {
+  const __m256i low = _mm256_set1_epi16(0xFF);
+  for (int64_t e = 0; e < M * K; e += 32) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + e));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + e + 16));
+    // packs / packus work per 128-bit half; the permute puts the four quadwords back in order
+    const __m256i h = _mm256_packs_epi16(_mm256_srai_epi16(a, 8), _mm256_srai_epi16(b, 8));
+    const __m256i l = _mm256_packus_epi16(_mm256_and_si256(a, low), _mm256_and_si256(b, low));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + e), _mm256_permute4x64_epi64(h, 0xD8));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + e), _mm256_permute4x64_epi64(l, 0xD8));
+  }
+}
+
+// 8 outputs of `tile_q`'s end from their exact sums 256 * h + l (int32 each; exact in double):
+// float(t * xs * scale[j]) in double, then the bias, stored or added (`finish_dot`, 8 at once).
+inline void finish_amx8(__m256i h, __m256i l, double xs, const float* scale, const float* bias,
+                        float* out, bool accumulate) {
+  __m512d t = _mm512_fmadd_pd(_mm512_cvtepi32_pd(h), _mm512_set1_pd(256.0), _mm512_cvtepi32_pd(l));
+  t = _mm512_mul_pd(_mm512_mul_pd(t, _mm512_set1_pd(xs)), _mm512_cvtps_pd(_mm256_loadu_ps(scale)));
+  __m256 s = _mm512_cvtpd_ps(t);
+  if (bias != nullptr) s = _mm256_add_ps(s, _mm256_loadu_ps(bias));
+  if (accumulate) s = _mm256_add_ps(_mm256_loadu_ps(out), s);
+  _mm256_storeu_ps(out, s);
+}
+
+// y[M, N] (+)= (x[M, K] @ w[N, K]^T) * scale[N] + bias with w as tiles (`amx_pack`): `tile_q`'s
+// outputs, bitwise (see above). Threads split pairs of weight tiles; each pair meets every input
+// row (in passes of up to 16) while it sits in L1 / L2, and the first pass prefetches ahead.
+void linear_amx(const float* x, int64_t M, int64_t ldx, const i8* wt, int64_t N, int64_t K,
+                const float* scale, const float* bias, float* y, int64_t ldy, bool accumulate) {
+  thread_local std::vector<int16_t> xq;
+  thread_local std::vector<float> xs;
+  thread_local std::vector<i8> hi;
+  thread_local std::vector<uint8_t> lo;
+  xq.resize(M * K);
+  xs.resize(M);
+  hi.resize(M * K);
+  lo.resize(M * K);
+  quantize_rows_i16(x, M, ldx, K, xq.data(), xs.data());
+  split_bytes(xq.data(), M, K, hi.data(), lo.data());
+  const int64_t passes = (M + kAmxRows - 1) / kAmxRows;
+  const int64_t mc = (M + passes - 1) / passes;  // input rows per pass (the last may have fewer)
+  const int64_t S = K / kAmxCols, tiles = N / kAmxRows;
+  const float* qs = xs.data();  // the thread_local buffers as this thread holds them, for all threads
+  const i8* hp = hi.data();
+  const uint8_t* lp = lo.data();
+  at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+    int64_t rows = mc;
+    amx_configure(rows);
+    alignas(64) int32_t c[4][kAmxRows][kAmxRows];
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t t = 2 * p;
+      const bool two = t + 1 < tiles;
+      const i8* a = wt + t * S * kAmxTile;
+      const i8* b = a + S * kAmxTile;
+      for (int64_t m0 = 0; m0 < M; m0 += mc) {
+        if (std::min(mc, M - m0) != rows) {
+          rows = std::min(mc, M - m0);
+          amx_configure(rows);
+        }
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t s = 0; s < S; ++s) {
+          if (m0 == 0) {
+            for (int64_t line = 0; line < kAmxTile; line += 64) {
+              _mm_prefetch(reinterpret_cast<const char*>(a + s * kAmxTile + line) + kAmxPrefetch, _MM_HINT_T1);
+              if (two)
+                _mm_prefetch(reinterpret_cast<const char*>(b + s * kAmxTile + line) + kAmxPrefetch, _MM_HINT_T1);
+            }
+          }
+          _tile_loadd(4, hp + m0 * K + s * kAmxCols, K);
+          _tile_loadd(5, lp + m0 * K + s * kAmxCols, K);
+          _tile_loadd(6, a + s * kAmxTile, 64);
+          _tile_dpbssd(0, 4, 6);
+          _tile_dpbusd(1, 5, 6);
+          if (two) {
+            _tile_loadd(7, b + s * kAmxTile, 64);
+            _tile_dpbssd(2, 4, 7);
+            _tile_dpbusd(3, 5, 7);
+          }
+        }
+        _tile_stored(0, c[0], 64);
+        _tile_stored(1, c[1], 64);
+        if (two) {
+          _tile_stored(2, c[2], 64);
+          _tile_stored(3, c[3], 64);
+        }
+        for (int64_t u = 0; u < (two ? 2 : 1); ++u) {
+          const int64_t j = (t + u) * kAmxRows;
+          for (int64_t i = 0; i < rows; ++i) {
+            const __m512i h = _mm512_load_si512(c[2 * u][i]);
+            const __m512i l = _mm512_load_si512(c[2 * u + 1][i]);
+            float* out = y + (m0 + i) * ldy + j;
+            const double xsi = qs[m0 + i];
+            const float* bj = bias ? bias + j : nullptr;
+            finish_amx8(_mm512_castsi512_si256(h), _mm512_castsi512_si256(l), xsi, scale + j, bj, out,
+                        accumulate);
+            finish_amx8(_mm512_extracti64x4_epi64(h, 1), _mm512_extracti64x4_epi64(l, 1), xsi, scale + j + 8,
+                        bj ? bj + 8 : nullptr, out + 8, accumulate);
+          }
+        }
+      }
+    }
+  });
+}
+#endif
 
 // exp of 8 floats: n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts), a degree-7 polynomial
 // for exp(r) (Cephes' expf coefficients), times 2^n. Inputs are clamped to [-87.3, 88] (2^-126 and
@@ -1797,6 +1991,7 @@ struct Mat {
   bool paired = false;  // pair-interleaved (kPairChunk)
   at::Tensor q4;  // float32 weights also held as exact 4-bit blocks (`linear_blocks`), or undefined
   at::Tensor q8;  // ... as exact 8-bit blocks, or undefined
+  at::Tensor amx;  // int8 weights also as AMX tiles (`amx_pack`), or undefined
   const float* sc() const { return scale.defined() ? scale.data_ptr<float>() : nullptr; }
 };
 
@@ -2034,6 +2229,24 @@ class FastLlamaKernel {
   // before handing them over.
   void set_paired(bool on) { paired_ = on; }
 
+  // Whether int8 products run on AMX tiles (`linear_amx`): the matrices of layers added and heads
+  // set while it is on get tile copies (their weights held twice), and products read those while it
+  // stays on. Raises where the build or the OS has no AMX (`amx_ready`).
+  void set_amx(bool on) {
+    TORCH_CHECK(!on || amx_ready(), "this build or machine has no AMX int8 tiles");
+    amx_ = on;
+  }
+  bool amx() const { return amx_; }
+
+  // Bytes of the AMX tile copies this object holds (`set_amx`), beyond the weights it was handed.
+  int64_t tile_bytes() const {
+    int64_t n = head_.amx.defined() ? head_.amx.nbytes() : 0;
+    for (const Layer& L : layers_)
+      for (const Mat* m : {&L.wqkv, &L.wo, &L.wgu, &L.wdown})
+        if (m->amx.defined()) n += m->amx.nbytes();
+    return n;
+  }
+
   // This object's `Schedule` (see there), passed to every `linear` call it makes.
   void set_schedule(int64_t two_pair_rows_float, int64_t two_pair_rows_int8,
                     bool prefetch_one_row) {
@@ -2119,7 +2332,7 @@ class FastLlamaKernel {
   void set_head(std::optional<at::Tensor> embed, at::Tensor final_norm, at::Tensor head,
                 std::optional<at::Tensor> embed_scale, std::optional<at::Tensor> head_scale) {
     // A tied embedding is the head's storage: the same rule pairs both or neither.
-    if (embed) embed_ = mat(*embed, embed_scale, embed->size(0), H_);
+    if (embed) embed_ = mat(*embed, embed_scale, embed->size(0), H_, false);  // rows are read, not products
     check_f32(final_norm, H_);
     head_ = mat(head, head_scale, head.size(0), H_);
     final_norm_ = final_norm;
@@ -2275,13 +2488,15 @@ class FastLlamaKernel {
   // Exposed for tests and benchmarks: y = (x @ w^T) * scale (+ bias), x [M, K] float32; `scale`
   // [N] for int8 weights only.
   // `paired`: w is pair-interleaved (`paired_ok` must hold), as FastLlama arranges its matrices.
+  // `amx`: int8 w is packed as AMX tiles for this call and multiplied there (`linear_amx`).
   at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w, std::optional<at::Tensor> bias,
-                       std::optional<at::Tensor> scale, bool paired) {
+                       std::optional<at::Tensor> scale, bool paired, bool amx) {
     TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2);
     check_weight(w, w.size(0), x.size(1));
     TORCH_CHECK(!paired || paired_ok(w.scalar_type(), w.size(0), w.size(1)),
                 "these weights cannot be pair-interleaved");
     check_scale(w, scale);
+    TORCH_CHECK(!amx || w.scalar_type() == at::kChar, "AMX tiles take int8 weights");
     if (bias) check_f32(*bias, w.size(0));
     auto y = at::empty({x.size(0), w.size(0)}, x.options());
     const float* b = bias ? bias->data_ptr<float>() : nullptr;
@@ -2293,6 +2508,14 @@ class FastLlamaKernel {
                paired, schedule_);
         break;
       case at::kChar:
+        if (amx) {
+          TORCH_CHECK(amx_ready(), "this build or machine has no AMX int8 tiles");
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
+          const at::Tensor tiles = amx_pack(wptr<i8>(w), N, K, paired);
+          linear_amx(x.data_ptr<float>(), M, K, wptr<i8>(tiles), N, K, s, b, y.data_ptr<float>(), N, false);
+#endif
+          break;
+        }
         linear(x.data_ptr<float>(), M, K, wptr<i8>(w), N, K, s, b, y.data_ptr<float>(), N, false,
                paired, schedule_);
         break;
@@ -2364,13 +2587,19 @@ class FastLlamaKernel {
 
   // A checked weight of [n, k]; every weight of one model must share one type (run<WT> reads all
   // of them as WT). Pair-interleaved when set_paired is on and `paired_ok` allows.
-  Mat mat(const at::Tensor& w, const std::optional<at::Tensor>& scale, int64_t n, int64_t k) {
+  // With `tiles` and AMX on (`set_amx`), int8 weights that `amx_shape_ok` allows are also packed as
+  // AMX tiles, which `product` then reads instead.
+  Mat mat(const at::Tensor& w, const std::optional<at::Tensor>& scale, int64_t n, int64_t k,
+          bool tiles = true) {
     check_weight(w, n, k);
     check_scale(w, scale);
     if (wtype_ == at::ScalarType::Undefined) wtype_ = w.scalar_type();
     TORCH_CHECK(w.scalar_type() == wtype_, "all weights must have one type");
     const bool paired = paired_ && paired_ok(w.scalar_type(), n, k);
-    return {w, scale.value_or(at::Tensor()), paired};
+    Mat m{w, scale.value_or(at::Tensor()), paired};
+    if (tiles && amx_ && w.scalar_type() == at::kChar && amx_shape_ok(n, k))
+      m.amx = amx_pack(wptr<i8>(w), n, k, paired);
+    return m;
   }
 
   static const float* opt(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
@@ -2393,6 +2622,14 @@ class FastLlamaKernel {
         return;
       }
     }
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
+    if constexpr (std::is_same_v<WT, i8>) {
+      if (amx_ && W.amx.defined()) {
+        linear_amx(x, M, K, wptr<i8>(W.amx), N, K, W.sc(), bias, y, N, accumulate);
+        return;
+      }
+    }
+#endif
     linear(x, M, K, wptr<WT>(W.w), N, K, W.sc(), bias, y, N, accumulate, W.paired, schedule_);
   }
 
@@ -2708,6 +2945,7 @@ class FastLlamaKernel {
   const int64_t* ctx_ = nullptr;  // per token of the running call: keys before it, RoPE position
   bool keep_hidden_ = false;
   bool paired_ = false;
+  bool amx_ = false;
   bool kv_half_ = false;  // the caches hold float16, not float32
   int64_t q4_rows_ = kBlockMostRows;  // calls of up to this many tokens read 4-bit blocks (`set_q4`)
   int64_t head_q8_rows_ = kBlockMostRows;  // whole-head logits of up to this many rows read 8-bit blocks
@@ -2736,6 +2974,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &FastLlamaKernel::add_layer)
       .def("set_head", &FastLlamaKernel::set_head)
       .def("set_paired", &FastLlamaKernel::set_paired)
+      .def("set_amx", &FastLlamaKernel::set_amx)
+      .def("amx", &FastLlamaKernel::amx)
+      .def("tile_bytes", &FastLlamaKernel::tile_bytes)
       .def("set_schedule", &FastLlamaKernel::set_schedule, pybind11::arg("two_pair_rows_float"),
            pybind11::arg("two_pair_rows_int8"), pybind11::arg("prefetch_one_row"))
       .def("get_schedule", &FastLlamaKernel::get_schedule)
@@ -2760,7 +3001,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_keep_hidden", &FastLlamaKernel::set_keep_hidden)
       .def("last_hidden", &FastLlamaKernel::last_hidden)
       .def("linear", &FastLlamaKernel::linear_op, pybind11::arg("x"), pybind11::arg("w"),
-           pybind11::arg("bias"), pybind11::arg("scale"), pybind11::arg("paired") = false);
+           pybind11::arg("bias"), pybind11::arg("scale"), pybind11::arg("paired") = false,
+           pybind11::arg("amx") = false);
+  m.def("amx_ready", &amx_ready);
   m.def("swiglu", &swiglu_op, pybind11::arg("gu"), pybind11::arg("scale") = std::nullopt,
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rmsnorm_bf16", &rmsnorm_bf16_op, pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"),

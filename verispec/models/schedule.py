@@ -73,7 +73,7 @@ where the two paths are close (160 until session 17, when float32 crossed near 4
 PREFILL_LONG = 1024
 """The third length :func:`measure_crossing` times when the kernel still leads at the longest of
 :data:`PREFILL_SIZES` and the lines meet past it (at most the model's ``max_length``)."""
-PREFILL_KEY = "prefill-v9|"
+PREFILL_KEY = "prefill-v10|"
 """Prefix of the cached crossings' keys, changed whenever either path's cost changes so that every
 machine measures again. v3 (session 17): the torch path copies paired matrices in the kernel
 (SmolLM2-135M's layers, float32 62-69 -> 43-49 ms, int8 to bfloat16 37-51 -> 18-20 ms), and the
@@ -87,7 +87,9 @@ float32 tiles load each input vector once for all their weight rows (the layer m
 rows on a Zen 3 EPYC without AVX-512, 9% faster). v8 (session 27): their 6-row pair tile in inline
 assembly, and passes over blocks of 48 weight rows (there, a 128-token prompt piece 227 -> 186-197
 ms, 288 tokens 519-529 -> 439-460). v9 (session 27): the int8 pair tiles of 2-6 rows in inline
-assembly on CPUs without AVX-512 (there, a 128-token int8 prompt 264 -> 181 ms)."""
+assembly on CPUs without AVX-512 (there, a 128-token int8 prompt 264 -> 181 ms). v10 (session 34):
+int8 products on AMX tiles where the CPU has them (on the Xeon, a 700-token int8 prompt on the
+kernel 557-581 -> 262-275 ms; the torch path took 224-226)."""
 PREFILL_LIMITS = (16, 2 * PREFILL_LONG)
 """The crossing :func:`prefill_crossing` returns lies in this range: below the kernel's own call
 size a prompt is one kernel call anyway, and far past the measured lengths (at most twice the
@@ -103,13 +105,14 @@ tiles prefetch (a one-token float32 step on the 2-core Xeon 8.1 -> 6.7 ms, five 
 BLOCK_WIDTHS = (2, 4, 6, 8, 10, 12, 14, 16)
 """Call widths :func:`measure_blocks` times: decoding, verification of 1-15 drafts."""
 
-STEPS_KEY = "steps-v3|"
+STEPS_KEY = "steps-v4|"
 """Prefix of the cached step-cost curves' keys (:func:`apply_step_costs`); changed whenever the
 kernel's cost by call width changes, so that every machine measures again. v2 (session 30): one-row
 int8 passes prefetch (a one-token step about 10% faster on a Zen 3 EPYC), and the curve times the
 greedy step's own call (``forward_greedy``), without the tensors around ``forward``. v3 (session 33):
 the 512-bit block tiles prefetch, and take 5-6 rows against all four pairs of a group (on the Xeon,
-five tokens 1.61 -> 1.40 times one)."""
+five tokens 1.61 -> 1.40 times one). v4 (session 34): int8 on AMX tiles where the CPU has them (on the
+Xeon, median ms, 1 / 5 / 9 tokens 4.38 / 5.95 / 9.43 -> 4.41 / 5.67 / 7.15)."""
 STEP_WIDTHS = 9
 """Widths :func:`measure_steps` times: 1 to 9 tokens, verifying up to 8 drafts."""
 STEP_CONTEXT = 128

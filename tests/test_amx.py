@@ -1,0 +1,115 @@
+"""int8 products on AMX tiles (the kernel's ``linear_amx``): bitwise the VNNI tiles' outputs.
+
+The int16 activations split exactly into a signed high byte and an unsigned low byte, and the
+integer sums are exact either way, so turning the tiles on must change no bit of any logit. These
+tests run where the CPU and the OS allow AMX (Intel Xeon since Sapphire Rapids) and skip elsewhere,
+except the one that checks the clear error a machine without AMX gives.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from verispec.models import fast_llama
+from verispec.models.fast_llama import FastLlama
+
+KERNEL = fast_llama._load_kernel()
+AMX = KERNEL is not None and bool(getattr(KERNEL, "amx_ready", lambda: False)())
+requires_kernel = pytest.mark.skipif(KERNEL is None, reason="C++ kernel could not be built here")
+requires_amx = pytest.mark.skipif(not AMX, reason="no AMX int8 tiles on this machine or build")
+
+
+def _llama() -> LlamaForCausalLM:
+    """A random Llama whose matrices all fit whole tiles (rows % 16 == 0, columns % 64 == 0)."""
+    torch.manual_seed(3)
+    cfg = LlamaConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _pairs(w: torch.Tensor) -> torch.Tensor:
+    """``w`` ``[N, K]`` int8 pair-interleaved as the kernel holds it: ``[N / 2][K / 16][2][16]``."""
+    n, k = w.shape
+    return w.view(n // 2, 2, k // 16, 16).permute(0, 2, 1, 3).contiguous().view(n, k)
+
+
+@requires_amx
+@pytest.mark.parametrize(("n", "k"), [(48, 64), (960, 576), (64, 1536)])
+def test_amx_products_are_bitwise_the_vnni_tiles(n: int, k: int) -> None:
+    """``linear(..., amx=True)`` against the VNNI tiles: an odd and an even count of weight tiles,
+    1-40 input rows (one pass, several, a last short one), zero rows, bias, both weight layouts."""
+    kernel = KERNEL.FastLlamaKernel(64, 4, 2, 16, 128, 1e-5)
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    scale = torch.rand(n, generator=gen) * 0.01
+    bias = torch.randn(n, generator=gen)
+    for m in (1, 2, 5, 9, 16, 17, 40):
+        x = torch.randn(m, k, generator=gen) * 3
+        x[0] = 0.0  # an all-zero row quantises with scale 0
+        x[-1, : k // 2] *= 1e4  # a wide range within one row
+        for b in (None, bias):
+            want = KERNEL.FastLlamaKernel.linear(kernel, x, w, b, scale, paired=False)
+            got = kernel.linear(x, w, b, scale, paired=False, amx=True)
+            assert torch.equal(got, want), (m, b is None)
+            assert torch.equal(kernel.linear(x, _pairs(w), b, scale, paired=True, amx=True), want)
+
+
+@requires_amx
+def test_int8_model_on_amx_tiles_gives_the_same_bits() -> None:
+    """An int8 FastLlama on this machine holds its matrices also as tiles and multiplies there; with
+    the tiles turned off (the same weights, the VNNI tiles) every logit of a prompt and of decoding
+    and verification widths, and every greedy argmax, is the same."""
+    model = FastLlama.from_hf(_llama(), dtype="int8")
+    kernel = model._kernel
+    assert kernel is not None and kernel.amx()
+    per_layer = (128 + 64 + 256) * 64 + 64 * 128  # wqkv, wo, wgu, wdown: int8, one byte each
+    assert kernel.tile_bytes() == 2 * per_layer + 320 * 64  # and the head; not the embedding's rows
+    ids = torch.randint(0, 320, (1, 60), generator=torch.Generator().manual_seed(8))
+    outs: list[list[torch.Tensor]] = [[], []]
+    for on, out in zip((True, False), outs, strict=True):
+        kernel.set_amx(on)
+        model.reset(1)
+        out.append(model.forward(ids[:, :20]))
+        pos = 20
+        for t in (1, 2, 5, 9, 17):
+            out.append(model.forward(ids[:, pos : pos + t]))
+            model.truncate([pos])
+            out.append(model.forward(ids[:, pos : pos + t], logits="argmax"))
+            pos += t
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
+
+
+@requires_amx
+def test_amx_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``VERISPEC_AMX=0`` keeps int8 on the VNNI tiles, with no second copy of the weights."""
+    monkeypatch.setenv("VERISPEC_AMX", "0")
+    assert not fast_llama.amx_enabled()
+    model = FastLlama.from_hf(_llama(), dtype="int8")
+    assert not model._kernel.amx() and model._kernel.tile_bytes() == 0
+    monkeypatch.delenv("VERISPEC_AMX")
+    on = FastLlama.from_hf(_llama(), dtype="int8")
+    assert on.weight_bytes() == model.weight_bytes() + on._kernel.tile_bytes()
+
+
+@requires_kernel
+def test_asking_for_amx_without_it_is_a_clear_error() -> None:
+    """Where the build or the OS has no AMX, asking for the tiles raises; float weights never take
+    them."""
+    kernel = KERNEL.FastLlamaKernel(64, 4, 2, 16, 128, 1e-5)
+    x, w = torch.randn(2, 64), torch.randn(16, 64)
+    with pytest.raises(RuntimeError, match="int8"):
+        kernel.linear(x, w, None, None, paired=False, amx=True)
+    if not AMX:
+        assert not fast_llama.amx_enabled()
+        with pytest.raises(RuntimeError, match="no AMX"):
+            kernel.set_amx(True)
