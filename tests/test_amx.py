@@ -56,6 +56,9 @@ def test_amx_products_are_bitwise_the_vnni_tiles(n: int, k: int) -> None:
         x = torch.randn(m, k, generator=gen) * 3
         x[0] = 0.0  # an all-zero row quantises with scale 0
         x[-1, : k // 2] *= 1e4  # a wide range within one row
+        if m >= 5:
+            x[1, 7] = float("nan")  # rows with a NaN or an inf quantise to zero too
+            x[2, k - 1] = float("inf")
         for b in (None, bias):
             want = KERNEL.FastLlamaKernel.linear(kernel, x, w, b, scale, paired=False)
             got = kernel.linear(x, w, b, scale, paired=False, amx=True)
