@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from verispec.models import fast_llama
+from verispec.models import fast_llama, schedule
 from verispec.models.fast_llama import FastLlama
 
 KERNEL = fast_llama._load_kernel()
@@ -77,9 +77,10 @@ def test_int8_model_on_amx_tiles_gives_the_same_bits() -> None:
     per_layer = (128 + 64 + 256) * 64 + 64 * 128  # wqkv, wo, wgu, wdown: int8, one byte each
     assert kernel.tile_bytes() == 2 * per_layer + 320 * 64  # and the head; not the embedding's rows
     ids = torch.randint(0, 320, (1, 60), generator=torch.Generator().manual_seed(8))
-    outs: list[list[torch.Tensor]] = [[], []]
-    for on, out in zip((True, False), outs, strict=True):
+    outs: list[list[torch.Tensor]] = [[], [], []]
+    for (on, rows), out in zip(((True, 1), (False, 1), (True, 4)), outs, strict=True):
         kernel.set_amx(on)
+        kernel.set_amx_rows(rows)  # 4: narrower calls on the VNNI tiles, wider on the AMX ones
         model.reset(1)
         out.append(model.forward(ids[:, :20]))
         pos = 20
@@ -88,8 +89,38 @@ def test_int8_model_on_amx_tiles_gives_the_same_bits() -> None:
             model.truncate([pos])
             out.append(model.forward(ids[:, pos : pos + t], logits="argmax"))
             pos += t
-    for a, b in zip(*outs, strict=True):
-        assert torch.equal(a, b)
+    for a, b, c in zip(*outs, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_amx_crossing_is_the_narrowest_width_from_which_the_tiles_win() -> None:
+    """Least times decide; the tiles must win at every wider width too; never winning means one past
+    the widest width measured."""
+
+    def times(amx: list[float], vnni: list[float]) -> dict[str, dict[int, list[float]]]:
+        widths = (1, 2, 5, 9)
+        return {
+            "amx": {t: [a, a + 1] for t, a in zip(widths, amx, strict=True)},
+            "vnni": {t: [v, v + 1] for t, v in zip(widths, vnni, strict=True)},
+        }
+
+    assert schedule.amx_crossing(times([4, 4, 5, 6], [5, 5, 6, 8])) == 1
+    assert schedule.amx_crossing(times([5, 5, 5, 6], [4, 4.5, 6, 8])) == 5
+    assert schedule.amx_crossing(times([5, 4, 7, 6], [4, 5, 6, 8])) == 9  # 5 tokens lost again
+    assert schedule.amx_crossing(times([5, 5, 6, 9], [4, 4, 5, 8])) == 10
+
+
+@requires_amx
+def test_amx_rows_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``VERISPEC_AMX_ROWS`` sets the crossing; 0 is a clear error."""
+    from verispec.config import ConfigError
+
+    monkeypatch.setenv("VERISPEC_AMX_ROWS", "3")
+    model = FastLlama.from_hf(_llama(), dtype="int8")
+    assert model.amx_rows == 3 and model._kernel.amx_rows() == 3
+    monkeypatch.setenv("VERISPEC_AMX_ROWS", "0")
+    with pytest.raises(ConfigError, match="VERISPEC_AMX_ROWS"):
+        schedule.apply_amx(model)
 
 
 @requires_amx
@@ -102,6 +133,7 @@ def test_amx_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("VERISPEC_AMX")
     on = FastLlama.from_hf(_llama(), dtype="int8")
     assert on.weight_bytes() == model.weight_bytes() + on._kernel.tile_bytes()
+    assert on.read_bytes() == model.read_bytes()  # a step reads the tiles instead of the matrices
 
 
 @requires_kernel

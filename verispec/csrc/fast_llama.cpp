@@ -766,11 +766,10 @@ inline bool amx_shape_ok(int64_t n, int64_t k) {
   return n % kAmxRows == 0 && k % kAmxCols == 0 && k <= 65536;
 }
 
-// int8 w [N, K], row-major or pair-interleaved (`paired`), -> its tiles [N / 16][K / 64][16][16][4].
-at::Tensor amx_pack(const i8* w, int64_t N, int64_t K, bool paired) {
+// int8 w [N, K], row-major or pair-interleaved (`paired`), -> its tiles [N / 16][K / 64][16][16][4],
+// written into `out` (N * K bytes).
+void amx_pack(const i8* w, int64_t N, int64_t K, bool paired, i8* o) {
   TORCH_CHECK(amx_shape_ok(N, K), "AMX tiles need N % 16 == 0 and K % 64 == 0, K <= 65536");
-  auto out = at::empty({N, K}, at::TensorOptions().dtype(at::kChar));
-  i8* o = reinterpret_cast<i8*>(out.data_ptr());
   constexpr int64_t C = kPairChunk<i8>;
   const int64_t S = K / kAmxCols;
   at::parallel_for(0, N / kAmxRows, 1, [&](int64_t t0, int64_t t1) {
@@ -783,7 +782,6 @@ at::Tensor amx_pack(const i8* w, int64_t N, int64_t K, bool paired) {
         }
       }
   });
-  return out;
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
@@ -924,6 +922,7 @@ void linear_amx(const float* x, int64_t M, int64_t ldx, const i8* wt, int64_t N,
         }
       }
     }
+    _tile_release();
   });
 }
 #endif
@@ -2251,16 +2250,68 @@ class FastLlamaKernel {
   // before handing them over.
   void set_paired(bool on) { paired_ = on; }
 
-  // Whether int8 products run on AMX tiles (`linear_amx`): the matrices of layers added and heads
-  // set while it is on get tile copies (their weights held twice), and products read those while it
-  // stays on. Raises where the build or the OS has no AMX (`amx_ready`).
+  // Whether int8 products run on AMX tiles (`linear_amx`) where the matrices have them (`pack_amx`).
+  // Raises where the build or the OS has no AMX (`amx_ready`).
   void set_amx(bool on) {
     TORCH_CHECK(!on || amx_ready(), "this build or machine has no AMX int8 tiles");
     amx_ = on;
   }
   bool amx() const { return amx_; }
 
-  // Bytes of the AMX tile copies this object holds (`set_amx`), beyond the weights it was handed.
+  // Products of at least `rows` input rows read the tiles (with `set_amx` on), narrower ones the
+  // pair-interleaved matrices through the VNNI tiles; FastLlama measures where (`schedule.py`). On
+  // the 2-core Xeon (SmolLM2-135M int8, greedy step at 200 cached tokens, min of 50, ms, all calls on
+  // one path, /tmp/s34/sweep6.py): AMX / VNNI 1 token 4.76 / 4.15, 5 tokens 5.58 / 5.61, 9 tokens
+  // 6.60 / 8.49; steps alternating quickly between the paths ran slower than either. Generation,
+  // 13 Spec-Bench prompts, 2 rounds, whole requests of 64 tokens, tokens/s (/tmp/s34/genab.py), plain
+  // / lookup with the n-gram table at k = 8: tiles from 1 row 171.0 / 220.5, from 4 rows (the
+  // measured crossing) 195.6 / 222.5, from 16 rows (prompts only) 194.9 / 225.9, never 179.0 / 203.8.
+  void set_amx_rows(int64_t rows) {
+    TORCH_CHECK(rows >= 1, "rows must be >= 1");
+    amx_rows_ = rows;
+  }
+  int64_t amx_rows() const { return amx_rows_; }
+
+  // The int8 matrices the tiles can take (`amx_shape_ok`): every layer's and the head.
+  std::vector<Mat*> tile_mats() {
+    std::vector<Mat*> out;
+    for (Layer& L : layers_)
+      for (Mat* m : {&L.wqkv, &L.wo, &L.wgu, &L.wdown}) out.push_back(m);
+    if (head_.w.defined()) out.push_back(&head_);
+    std::vector<Mat*> fit;
+    for (Mat* m : out)
+      if (m->w.scalar_type() == at::kChar && amx_shape_ok(m->w.size(0), m->w.size(1))) fit.push_back(m);
+    return fit;
+  }
+
+  // Bytes `pack_amx` needs: each matrix's, rounded up to a cache line.
+  int64_t tile_bytes_needed() {
+    int64_t n = 0;
+    for (Mat* m : tile_mats()) n += (m->w.numel() + 63) / 64 * 64;
+    return n;
+  }
+
+  // Packs the int8 matrices (`tile_mats`; call after the layers and the head are set) as AMX tiles
+  // into `buffer` (contiguous, at least `tile_bytes_needed` bytes; FastLlama gives memory on 2 MB
+  // pages, where streaming it misses the TLB less), or into memory of its own without one. The
+  // weights are then held twice: these and the pair-interleaved ones the other paths read.
+  void pack_amx(std::optional<at::Tensor> buffer) {
+    TORCH_CHECK(amx_ready(), "this build or machine has no AMX int8 tiles");
+    const int64_t need = tile_bytes_needed();
+    at::Tensor buf = buffer ? *buffer : at::empty({need}, at::TensorOptions().dtype(at::kByte));
+    TORCH_CHECK(buf.is_contiguous() && buf.nbytes() >= static_cast<size_t>(need), "the buffer must be contiguous, of at least ",
+                need, " bytes");
+    buf = buf.view(at::kByte).view(-1);
+    int64_t at = 0;
+    for (Mat* m : tile_mats()) {
+      const int64_t N = m->w.size(0), K = m->w.size(1);
+      m->amx = buf.narrow(0, at, N * K);
+      amx_pack(wptr<i8>(m->w), N, K, m->paired, reinterpret_cast<i8*>(m->amx.data_ptr()));
+      at += (N * K + 63) / 64 * 64;
+    }
+  }
+
+  // Bytes of the AMX tiles this object holds (`pack_amx`), beyond the weights it was handed.
   int64_t tile_bytes() const {
     int64_t n = head_.amx.defined() ? head_.amx.nbytes() : 0;
     for (const Layer& L : layers_)
@@ -2354,7 +2405,7 @@ class FastLlamaKernel {
   void set_head(std::optional<at::Tensor> embed, at::Tensor final_norm, at::Tensor head,
                 std::optional<at::Tensor> embed_scale, std::optional<at::Tensor> head_scale) {
     // A tied embedding is the head's storage: the same rule pairs both or neither.
-    if (embed) embed_ = mat(*embed, embed_scale, embed->size(0), H_, false);  // rows are read, not products
+    if (embed) embed_ = mat(*embed, embed_scale, embed->size(0), H_);
     check_f32(final_norm, H_);
     head_ = mat(head, head_scale, head.size(0), H_);
     final_norm_ = final_norm;
@@ -2554,7 +2605,8 @@ class FastLlamaKernel {
         if (amx) {
           TORCH_CHECK(amx_ready(), "this build or machine has no AMX int8 tiles");
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
-          const at::Tensor tiles = amx_pack(wptr<i8>(w), N, K, paired);
+          const at::Tensor tiles = at::empty({N, K}, w.options());
+          amx_pack(wptr<i8>(w), N, K, paired, reinterpret_cast<i8*>(tiles.data_ptr()));
           linear_amx(x.data_ptr<float>(), M, K, wptr<i8>(tiles), N, K, s, b, y.data_ptr<float>(), N, false);
 #endif
           break;
@@ -2630,19 +2682,13 @@ class FastLlamaKernel {
 
   // A checked weight of [n, k]; every weight of one model must share one type (run<WT> reads all
   // of them as WT). Pair-interleaved when set_paired is on and `paired_ok` allows.
-  // With `tiles` and AMX on (`set_amx`), int8 weights that `amx_shape_ok` allows are also packed as
-  // AMX tiles, which `product` then reads instead.
-  Mat mat(const at::Tensor& w, const std::optional<at::Tensor>& scale, int64_t n, int64_t k,
-          bool tiles = true) {
+  Mat mat(const at::Tensor& w, const std::optional<at::Tensor>& scale, int64_t n, int64_t k) {
     check_weight(w, n, k);
     check_scale(w, scale);
     if (wtype_ == at::ScalarType::Undefined) wtype_ = w.scalar_type();
     TORCH_CHECK(w.scalar_type() == wtype_, "all weights must have one type");
     const bool paired = paired_ && paired_ok(w.scalar_type(), n, k);
-    Mat m{w, scale.value_or(at::Tensor()), paired};
-    if (tiles && amx_ && w.scalar_type() == at::kChar && amx_shape_ok(n, k))
-      m.amx = amx_pack(wptr<i8>(w), n, k, paired);
-    return m;
+    return {w, scale.value_or(at::Tensor()), paired};
   }
 
   static const float* opt(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
@@ -2667,7 +2713,7 @@ class FastLlamaKernel {
     }
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
     if constexpr (std::is_same_v<WT, i8>) {
-      if (amx_ && W.amx.defined()) {
+      if (amx_ && W.amx.defined() && M >= amx_rows_) {
         linear_amx(x, M, K, wptr<i8>(W.amx), N, K, W.sc(), bias, y, N, accumulate);
         return;
       }
@@ -2989,6 +3035,7 @@ class FastLlamaKernel {
   bool keep_hidden_ = false;
   bool paired_ = false;
   bool amx_ = false;
+  int64_t amx_rows_ = 1;
   bool kv_half_ = false;  // the caches hold float16, not float32
   int64_t q4_rows_ = kBlockMostRows;  // calls of up to this many tokens read 4-bit blocks (`set_q4`)
   int64_t head_q8_rows_ = kBlockMostRows;  // whole-head logits of up to this many rows read 8-bit blocks
@@ -3019,7 +3066,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_paired", &FastLlamaKernel::set_paired)
       .def("set_amx", &FastLlamaKernel::set_amx)
       .def("amx", &FastLlamaKernel::amx)
+      .def("set_amx_rows", &FastLlamaKernel::set_amx_rows)
+      .def("amx_rows", &FastLlamaKernel::amx_rows)
       .def("tile_bytes", &FastLlamaKernel::tile_bytes)
+      .def("tile_bytes_needed", &FastLlamaKernel::tile_bytes_needed)
+      .def("pack_amx", &FastLlamaKernel::pack_amx, pybind11::arg("buffer") = std::nullopt)
       .def("set_schedule", &FastLlamaKernel::set_schedule, pybind11::arg("two_pair_rows_float"),
            pybind11::arg("two_pair_rows_int8"), pybind11::arg("prefetch_one_row"))
       .def("get_schedule", &FastLlamaKernel::get_schedule)

@@ -746,6 +746,9 @@ class FastLlama:
         """With ``record_hidden``: for each row, ``(start, hidden [T, hidden])`` of the last forward
         that fed it (positions ``start .. start + T - 1``); survives calls on other rows."""
         self.reset(max_batch_size)
+        self.amx_rows = 1
+        """From how many tokens a call reads the int8 matrices' AMX tiles where the kernel has them
+        (:func:`verispec.models.schedule.apply_amx`: measured once per machine; outputs the same)."""
         self.kernel_schedule: str | None = None
         """How the kernel reads the paired weights on this machine (:mod:`verispec.models.schedule`;
         measured once per machine, outputs the same either way); None without the kernel."""
@@ -755,6 +758,7 @@ class FastLlama:
         drafts (:func:`verispec.costs.costs_for`); None without the kernel or for small models."""
         if self._kernel is not None:
             self.kernel_schedule = schedule.apply(self)
+            schedule.apply_amx(self)
             schedule.apply_prefill(self)
             schedule.apply_blocks(self)
             schedule.apply_step_costs(self)
@@ -881,8 +885,6 @@ class FastLlama:
             self._eps,
         )
         k.set_paired(bool(w.get("paired")))
-        if self.dtype == "int8" and amx_enabled():
-            k.set_amx(True)  # before the matrices: they get their tile copies as they are added
         for lw in w["layers"]:
             k.add_layer(
                 lw["in_norm"], lw["wqkv"], lw["bqkv"], lw["wo"], lw["bo"],
@@ -901,6 +903,9 @@ class FastLlama:
             sc = w["head_screen"]
             k.set_head_screen(sc["codes"], sc["scale"], sc["wnorm"], sc["resid"])
         k.set_rope(w["cos"], w["sin"])
+        if self.dtype == "int8" and amx_enabled():
+            k.pack_amx(huge_page_bytes(int(k.tile_bytes_needed())))  # None: memory of its own
+            k.set_amx(True)
         return k
 
     @property
@@ -942,8 +947,11 @@ class FastLlama:
         """Bytes of the weights held (a tied head counts once; RoPE tables excluded; the head's
         greedy screen and the kernel's AMX tile copies of int8 matrices included)."""
         tiles = getattr(self._kernel, "tile_bytes", None)
-        held = tensor_bytes({k: v for k, v in self._w.items() if k not in ("cos", "sin")})
-        return held + (int(tiles()) if tiles is not None else 0)
+        return self._tensor_weight_bytes() + (int(tiles()) if tiles is not None else 0)
+
+    def _tensor_weight_bytes(self) -> int:
+        """Bytes of the weight tensors this object holds (not the kernel's tile copies)."""
+        return tensor_bytes({k: v for k, v in self._w.items() if k not in ("cos", "sin")})
 
     def read_bytes(self, greedy: bool = False, blocks: bool = True) -> int:
         """Bytes of the weights a one-token decode step reads: all of them but the head's screen,
@@ -951,7 +959,8 @@ class FastLlama:
         the embedding, of which a step reads one row); of a layer matrix with 4-bit blocks
         (``q4_weights``), the blocks and not its float32 copy, and of a head with 8-bit blocks
         (``head_q8_rows``) read whole, the blocks. With ``blocks=False``: what the step would read
-        without any blocks (the float32 matrices and head instead)."""
+        without any blocks (the float32 matrices and head instead). With AMX tiles of the int8
+        matrices, the step reads the tiles instead of the matrices, the same bytes."""
         w = self._w
         unread: list[torch.Tensor] = []
         for layer in w["layers"]:
@@ -965,7 +974,7 @@ class FastLlama:
         else:
             unread += list(screen.values()) if screen is not None else []
             unread += [w["head"]] if head_q8 and blocks and self.head_q8_rows > 0 else head_q8
-        return self.weight_bytes() - tensor_bytes(unread)
+        return self._tensor_weight_bytes() - tensor_bytes(unread)
 
     @property
     def has_blocks(self) -> bool:

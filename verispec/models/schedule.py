@@ -120,7 +120,7 @@ STEP_CONTEXT = 128
 MEASURE_CONTEXT = 64
 """Cached tokens before the calls :func:`measure` and :func:`measure_blocks` time."""
 
-SCHEDULE_KEY = "schedule-v2|"
+SCHEDULE_KEY = "schedule-v3|"
 """Prefix of the cached schedules' keys (:func:`apply`); changed whenever what :func:`measure` times
 changes. v2 (session 33): greedy steps as decoding runs them, with the model's 4-bit blocks and its
 head's int8 screen. Before (no prefix), the float32 matrices alone with the last position's whole
@@ -128,7 +128,8 @@ logits: for a float32 GGUF model, whose steps read the blocks, that timed calls 
 and on the 2-core Xeon it kept one stream, while two streams, whose one-row passes prefetch, speed
 the head screen's int8 pass: SmolLM2-135M's greedy step at 200 cached tokens, both schedules
 alternating in one process (8 rounds of 5, min / median, ms), 1 token 6.09 / 6.72 -> 5.63 / 6.26,
-5 tokens 8.70 / 9.47 -> 8.96 / 9.53."""
+5 tokens 8.70 / 9.47 -> 8.96 / 9.53. v3 (session 34): with the AMX tiles off, since the schedule is
+how the pair-interleaved matrices are read, which int8 steps on the tiles do not."""
 MIN_TUNED_BYTES = 64 * 2**20
 """Models whose weights are smaller keep :data:`DEFAULT` untimed: they stay in the caches, where the
 schedules differ by little, and tests build many tiny models."""
@@ -187,6 +188,9 @@ def measure(model: Any, rounds: int = 6, context: int = MEASURE_CONTEXT) -> dict
     its 4-bit blocks and its head's int8 screen where it has them (see :data:`SCHEDULE_KEY`).
     Leaves the model's cache empty, for as many rows as before, and its kernel on :data:`DEFAULT`."""
     kernel, batch = model._kernel, model._batch
+    amx = bool(getattr(kernel, "amx", lambda: False)())
+    if amx:
+        kernel.set_amx(False)  # the schedule is how the pair-interleaved matrices are read
     ids = torch.arange(context + 5).remainder(model.vocab_size).view(1, -1)  # [1, context + 5]
     model.reset(1)
     model.forward(ids[:, :context], logits="none")
@@ -203,6 +207,8 @@ def measure(model: Any, rounds: int = 6, context: int = MEASURE_CONTEXT) -> dict
             if r:
                 times[name].append(time.perf_counter() - start)
     kernel.set_schedule(*SCHEDULES[DEFAULT])
+    if amx:
+        kernel.set_amx(True)
     model.reset(batch)
     return times
 
@@ -388,6 +394,98 @@ def apply_blocks(model: Any) -> int:
         )
     model.q4_rows = model.head_q8_rows = value
     model._kernel.set_block_rows(value, value)
+    return value
+
+
+AMX_ENV = "VERISPEC_AMX_ROWS"
+AMX_KEY = "amx-v1|"
+"""Prefix of the cached AMX crossings' keys (:func:`apply_amx`); changed whenever either path's cost
+changes, so that every machine measures again."""
+AMX_WIDTHS = (1, 2, 3, 4, 5, 6, 9)
+"""Greedy step widths :func:`measure_amx` times: decoding, verification of 1-8 drafts."""
+
+
+@torch.no_grad()
+def measure_amx(
+    model: Any, widths: tuple[int, ...] = AMX_WIDTHS, rounds: int = 4, context: int = STEP_CONTEXT
+) -> dict[str, dict[int, list[float]]]:
+    """Seconds of a greedy step (``forward_greedy``) of each of ``widths`` tokens after ``context``,
+    with int8 products on the AMX tiles and on the VNNI tiles, alternating over ``rounds`` (after one
+    uncounted warm-up round): ``{"amx": {T: [s, ...]}, "vnni": {...}}``. Leaves ``model`` (a kernel
+    ``FastLlama`` with tiles) empty, for as many rows as before, with the tiles on from its own
+    ``amx_rows``."""
+    kernel, batch = model._kernel, model._batch
+    ids = torch.arange(context + max(widths)).remainder(model.vocab_size).view(1, -1)  # [1, C + W]
+    back = torch.tensor([context])
+    calls = _calls(model, ids, context, widths, "greedy")
+    times: dict[str, dict[int, list[float]]] = {path: {t: [] for t in widths} for path in ("amx", "vnni")}
+    try:
+        model.reset(1)
+        model.forward(ids[:, :context], logits="none")
+        for r in range(rounds + 1):
+            for t in widths:
+                for path in ("amx", "vnni") if r % 2 else ("vnni", "amx"):
+                    kernel.set_amx(path == "amx")
+                    kernel.set_amx_rows(1)
+                    start = time.perf_counter()
+                    calls[t]()
+                    if r:
+                        times[path][t].append(time.perf_counter() - start)
+                    model.truncate(back)
+    finally:
+        kernel.set_amx(True)
+        kernel.set_amx_rows(model.amx_rows)
+        model.reset(batch)
+    return times
+
+
+def amx_crossing(times: dict[str, dict[int, list[float]]]) -> int:
+    """The narrowest call that reads the AMX tiles: the narrowest measured width from which on the
+    tiles are faster at every measured width (least times); one past the widest measured if they
+    are not faster there (prompts, of many more rows, still read them)."""
+    widths = sorted(times["amx"])
+    narrowest = widths[-1] + 1
+    for t in reversed(widths):
+        if min(times["amx"][t]) > min(times["vnni"][t]):
+            break
+        narrowest = t
+    return narrowest
+
+
+def apply_amx(model: Any) -> int:
+    """Set from how many tokens a call of ``model`` (a kernel ``FastLlama``, its cache empty) reads
+    its int8 matrices' AMX tiles (``amx_rows``), and return it: ``VERISPEC_AMX_ROWS`` if set to a
+    number, 1 for small models, else the cached crossing for this CPU and model, else
+    :func:`amx_crossing` of :func:`measure_amx`, cached. Nothing to set (0) without tiles.
+
+    A one-token step streams the weights at the memory's pace either way; from a few tokens on, the
+    VNNI tiles' int16 products cost more than the tiles' (SmolLM2-135M in int8 on the 2-core Xeon,
+    greedy step at 200 cached tokens, min / median of 60, ms, AMX / VNNI: 1 token 4.81 / 5.54
+    against 4.37 / 5.00, 5 tokens 5.81 / 6.38 against 5.86 / 6.43, 9 tokens 6.54 / 7.33 against
+    8.16 / 8.68)."""
+    kernel = model._kernel
+    if not bool(getattr(kernel, "tile_bytes", lambda: 0)()):
+        return 0
+    value = _env_tokens(AMX_ENV)
+    if value is not None and value < 1:
+        from verispec.config import ConfigError
+
+        raise ConfigError(f"{AMX_ENV} must be auto or a number of tokens >= 1; got {value}")
+    if value is None and model.weight_bytes() < MIN_TUNED_BYTES:
+        value = 1
+    elif value is None:
+        value = _cached(
+            model,
+            AMX_KEY,
+            lambda v: isinstance(v, int) and v >= 1,
+            lambda: amx_crossing(measure_amx(model)),
+            "int8 steps on the AMX tiles and on the VNNI tiles",
+            "about 2 s",
+            needs=STEP_CONTEXT + max(AMX_WIDTHS),
+            fallback=1,
+        )
+    model.amx_rows = value
+    kernel.set_amx_rows(value)
     return value
 
 
