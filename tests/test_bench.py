@@ -363,6 +363,20 @@ def test_prompt_lookup_goals_cover_every_weight_format():
     assert checks["prompt-lookup k=4 [int8] >= 2.0x on rag"]["met"] is False
 
 
+def test_verify_cost_goal_is_judged_per_weight_format():
+    """With several formats each is judged on its own ratio (float32 on its 4-bit blocks and int8
+    on AMX tiles verify at different costs); with one, the run's ratio."""
+    from verispec.bench.report import goal_checks
+
+    bound = {"bandwidth_bound_tokens_per_second": 200.0}
+    formats = {"float32": {**bound, "verify_cost_ratio": 1.53}, "int8": {**bound, "verify_cost_ratio": 1.29}}
+    checks = {c["goal"]: c for c in goal_checks({"rows": [], "by_dtype": formats})}
+    assert checks["forward over 5 new tokens <= 1.3x one token (float32)"]["met"] is False
+    assert checks["forward over 5 new tokens <= 1.3x one token (int8)"]["met"] is True
+    one = goal_checks({"rows": [], "by_dtype": {"float32": bound}, "verify_cost_ratio": 1.2})
+    assert {c["goal"]: c["met"] for c in one}["forward over 5 new tokens <= 1.3x one token"] is True
+
+
 def test_adaptive_goal_states_the_gap_with_its_interval_over_prompts():
     """The adaptive row is compared with the best fixed k of the worst category, and the value
     carries the paired interval of adaptive over that fixed k on that category's prompts."""

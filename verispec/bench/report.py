@@ -265,8 +265,18 @@ def goal_checks(results: dict) -> list[dict]:
     if hf and hf["relative_to_autoregressive"]:
         ratio = 1 / hf["relative_to_autoregressive"]
         add(">= 2x transformers generate (plain, float32)", f"{ratio:.2f}x", ratio >= 2.0)
-    v = results.get("verify_cost_ratio")
-    add("forward over 5 new tokens <= 1.3x one token", _fmt(v), None if v is None else v <= 1.3)
+    formats = results.get("by_dtype", {})
+    if len(formats) > 1:  # each weight format's own ratio: the kernels differ (int8 on AMX tiles)
+        for dtype, d in formats.items():
+            v = d.get("verify_cost_ratio")
+            add(
+                f"forward over 5 new tokens <= 1.3x one token ({dtype})",
+                _fmt(v),
+                None if v is None else v <= 1.3,
+            )
+    else:
+        v = results.get("verify_cost_ratio")
+        add("forward over 5 new tokens <= 1.3x one token", _fmt(v), None if v is None else v <= 1.3)
     llama = {c: _row(rows, "llama.cpp", c) for c in key_cats}
     for dtype in results.get("by_dtype", {}):
         if dtype == "float32" or not all(llama.values()):
