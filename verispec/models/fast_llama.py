@@ -59,9 +59,12 @@ top-1 agreement with float32 at 95.56% against 95.54% with float32 activations (
 agrees at 96.1% (bfloat16: 99.7%), mean KL 0.006 nats (bfloat16: 0.0001). Groups of 32 along K
 would give 97.7% / 0.002 (simulated) at the cost of a multiply per weight vector and 12% more bytes.
 On a CPU with AMX (Intel Xeon since Sapphire Rapids; :func:`amx_enabled`) the kernel also holds the
-int8 matrices as AMX tiles and multiplies there, bitwise the same integers: on the 2-core Xeon a
-greedy step at 200 cached tokens (median ms, 1 / 5 / 9 tokens) 4.38 / 5.95 / 9.43 -> 4.41 / 5.67 /
-7.15, for a second copy of the int8 weights in memory (``VERISPEC_AMX=0`` turns it off).
+int8 matrices as AMX tiles (a second copy of the int8 weights, on 2 MB pages) and multiplies calls
+of at least ``amx_rows`` tokens there, bitwise the same integers; ``amx_rows`` is measured once per
+machine (4 on the 2-core Xeon, where a one-token step stays 10% faster on the VNNI tiles and nine
+tokens ran 22% faster on AMX). ``VERISPEC_AMX=0`` turns the tiles off, ``VERISPEC_AMX_ROWS=N`` sets
+the width. In the bench there (session 34, run T) int8 verified 5 tokens at 1.29x one token
+(1.42 before), and plain int8 decoding ran 204 / 249 tokens/s whole-request / decode-only.
 
 Cache invariant (see ``base.py``): row ``r`` holds ``lengths[r]`` tokens at positions
 ``0 .. lengths[r] - 1`` of its slice of every ``[B, H_kv, S, D]`` cache; ``truncate`` only lowers the
