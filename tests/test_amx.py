@@ -148,3 +148,27 @@ def test_asking_for_amx_without_it_is_a_clear_error() -> None:
         assert not fast_llama.amx_enabled()
         with pytest.raises(RuntimeError, match="no AMX"):
             kernel.set_amx(True)
+
+
+def test_a_compiler_without_amx_still_builds_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the build with the AMX flags fails, the kernel is built once more without them; a
+    failure without them is raised as it was."""
+    calls: list[list[str]] = []
+
+    def compile_kernel(flags):
+        calls.append(list(flags))
+        if "-mamx-int8" in flags:
+            raise RuntimeError("unrecognized command-line option '-mamx-int8'")
+        return "module", "build"
+
+    monkeypatch.setattr(fast_llama, "compile_kernel", compile_kernel)
+    flags = ["-O3", "-mavx2", *fast_llama.AMX_FLAGS]
+    assert fast_llama._compile_with_fallback(flags) == ("module", "build")
+    assert calls == [flags, ["-O3", "-mavx2"]]
+
+    def broken(flags):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(fast_llama, "compile_kernel", broken)
+    with pytest.raises(RuntimeError, match="no compiler"):
+        fast_llama._compile_with_fallback(["-O3", "-mavx2"])

@@ -124,7 +124,7 @@ def _load_kernel_once() -> Any:
     if _kernel_module is not None or _kernel_error is not None:
         return _kernel_module
     try:
-        _kernel_module, build = compile_kernel(kernel_flags())
+        _kernel_module, build = _compile_with_fallback(kernel_flags())
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path"
         _kernel_error = f"{type(exc).__name__}: {exc}"
         logger.warning("verispec fast kernel unavailable, using torch matmuls: %s", _kernel_error)
@@ -176,7 +176,7 @@ def kernel_flags() -> list[str]:
     if capability == "AVX512":
         flags += ["-mavx512f"]  # float32 products in 512-bit tiles
     if _cpu_has("amx_tile", "amx_int8"):
-        flags += ["-mamx-tile", "-mamx-int8"]  # int8 products on AMX tiles (`set_amx`)
+        flags += list(AMX_FLAGS)  # int8 products on AMX tiles (`set_amx`)
     return flags
 
 
@@ -189,6 +189,23 @@ def amx_enabled() -> bool:
         return False
     ready = getattr(_load_kernel(), "amx_ready", None)  # None: no kernel, or a build before AMX
     return ready is not None and bool(ready())
+
+
+AMX_FLAGS = ("-mamx-tile", "-mamx-int8")
+
+
+def _compile_with_fallback(flags: Sequence[str]) -> tuple[Any, Path]:
+    """:func:`compile_kernel` with ``flags``; where that fails with the AMX flags in them (a compiler
+    older than GCC 11 or Clang 12 does not know them), once more without: the kernel without the
+    tiles rather than none."""
+    try:
+        return compile_kernel(flags)
+    except Exception as exc:  # noqa: BLE001 - retried below, raised if it fails again
+        plain = [f for f in flags if f not in AMX_FLAGS]
+        if len(plain) == len(flags):
+            raise
+        logger.warning("the kernel did not build with AMX (%s); building it without", exc)
+        return compile_kernel(plain)
 
 
 def _cpu_has(*names: str) -> bool:
