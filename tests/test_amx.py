@@ -93,28 +93,13 @@ def test_int8_model_on_amx_tiles_gives_the_same_bits() -> None:
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
-def test_amx_crossing_is_the_narrowest_width_from_which_the_tiles_win() -> None:
-    """Least times decide; the tiles must win at every wider width too; never winning means one past
-    the widest width measured."""
-
-    def times(amx: list[float], vnni: list[float]) -> dict[str, dict[int, list[float]]]:
-        widths = (1, 2, 5, 9)
-        return {
-            "amx": {t: [a, a + 1] for t, a in zip(widths, amx, strict=True)},
-            "vnni": {t: [v, v + 1] for t, v in zip(widths, vnni, strict=True)},
-        }
-
-    assert schedule.amx_crossing(times([4, 4, 5, 6], [5, 5, 6, 8])) == 1
-    assert schedule.amx_crossing(times([5, 5, 5, 6], [4, 4.5, 6, 8])) == 5
-    assert schedule.amx_crossing(times([5, 4, 7, 6], [4, 5, 6, 8])) == 9  # 5 tokens lost again
-    assert schedule.amx_crossing(times([5, 5, 6, 9], [4, 4, 5, 8])) == 10
-
-
 @requires_amx
 def test_amx_rows_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``VERISPEC_AMX_ROWS`` sets the crossing; 0 is a clear error."""
+    """By default only calls wider than any greedy step read the tiles; ``VERISPEC_AMX_ROWS`` sets
+    the width; 0 is a clear error."""
     from verispec.config import ConfigError
 
+    assert FastLlama.from_hf(_llama(), dtype="int8").amx_rows == schedule.STEP_WIDTHS + 1
     monkeypatch.setenv("VERISPEC_AMX_ROWS", "3")
     model = FastLlama.from_hf(_llama(), dtype="int8")
     assert model.amx_rows == 3 and model._kernel.amx_rows() == 3

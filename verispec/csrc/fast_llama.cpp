@@ -2259,13 +2259,11 @@ class FastLlamaKernel {
   bool amx() const { return amx_; }
 
   // Products of at least `rows` input rows read the tiles (with `set_amx` on), narrower ones the
-  // pair-interleaved matrices through the VNNI tiles; FastLlama measures where (`schedule.py`). On
-  // the 2-core Xeon (SmolLM2-135M int8, greedy step at 200 cached tokens, min of 50, ms, all calls on
-  // one path, /tmp/s34/sweep6.py): AMX / VNNI 1 token 4.76 / 4.15, 5 tokens 5.58 / 5.61, 9 tokens
-  // 6.60 / 8.49; steps alternating quickly between the paths ran slower than either. Generation,
-  // 13 Spec-Bench prompts, 2 rounds, whole requests of 64 tokens, tokens/s (/tmp/s34/genab.py), plain
-  // / lookup with the n-gram table at k = 8: tiles from 1 row 171.0 / 220.5, from 4 rows (the
-  // measured crossing) 195.6 / 222.5, from 16 rows (prompts only) 194.9 / 225.9, never 179.0 / 203.8.
+  // pair-interleaved matrices through the VNNI tiles. On the 2-core Xeon (SmolLM2-135M int8, greedy
+  // step at 200 cached tokens, min of 50, ms, all calls on one path, /tmp/s34/sweep6.py): AMX /
+  // VNNI 1 token 4.76 / 4.15, 5 tokens 5.58 / 5.61, 9 tokens 6.60 / 8.49. Steps switching between
+  // the paths ran slower than either, so FastLlama keeps decoding on the VNNI tiles and gives the
+  // tiles calls wider than any decoding step (`schedule.AMX_ROWS`, where the figures are).
   void set_amx_rows(int64_t rows) {
     TORCH_CHECK(rows >= 1, "rows must be >= 1");
     amx_rows_ = rows;

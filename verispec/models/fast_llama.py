@@ -60,11 +60,12 @@ agrees at 96.1% (bfloat16: 99.7%), mean KL 0.006 nats (bfloat16: 0.0001). Groups
 would give 97.7% / 0.002 (simulated) at the cost of a multiply per weight vector and 12% more bytes.
 On a CPU with AMX (Intel Xeon since Sapphire Rapids; :func:`amx_enabled`) the kernel also holds the
 int8 matrices as AMX tiles (a second copy of the int8 weights, on 2 MB pages) and multiplies calls
-of at least ``amx_rows`` tokens there, bitwise the same integers; ``amx_rows`` is measured once per
-machine (4 on the 2-core Xeon, where a one-token step stays 10% faster on the VNNI tiles and nine
-tokens ran 22% faster on AMX). ``VERISPEC_AMX=0`` turns the tiles off, ``VERISPEC_AMX_ROWS=N`` sets
-the width. In the bench there (session 34, run T) int8 verified 5 tokens at 1.29x one token
-(1.42 before), and plain int8 decoding ran 204 / 249 tokens/s whole-request / decode-only.
+of at least ``amx_rows`` tokens there, bitwise the same integers. By default those are prompts:
+decoding steps stay on the VNNI tiles, since switching paths from step to step cost more than the
+tiles saved (``schedule.AMX_ROWS`` has the figures). On the 2-core Xeon an int8 prompt of 700
+tokens took 262-275 ms on the tiles against 557-581 on the VNNI tiles. ``VERISPEC_AMX=0`` turns the
+tiles off, ``VERISPEC_AMX_ROWS=N`` sets the width (1: verification too, 1.18-1.29x one token for
+five in the bench, against 1.4 on the VNNI tiles, but slower generation there).
 
 Cache invariant (see ``base.py``): row ``r`` holds ``lengths[r]`` tokens at positions
 ``0 .. lengths[r] - 1`` of its slice of every ``[B, H_kv, S, D]`` cache; ``truncate`` only lowers the
@@ -768,7 +769,7 @@ class FastLlama:
         self.reset(max_batch_size)
         self.amx_rows = 1
         """From how many tokens a call reads the int8 matrices' AMX tiles where the kernel has them
-        (:func:`verispec.models.schedule.apply_amx`: measured once per machine; outputs the same)."""
+        (:func:`verispec.models.schedule.apply_amx`: prompts, not decoding steps; outputs the same)."""
         self.kernel_schedule: str | None = None
         """How the kernel reads the paired weights on this machine (:mod:`verispec.models.schedule`;
         measured once per machine, outputs the same either way); None without the kernel."""

@@ -398,71 +398,22 @@ def apply_blocks(model: Any) -> int:
 
 
 AMX_ENV = "VERISPEC_AMX_ROWS"
-AMX_KEY = "amx-v1|"
-"""Prefix of the cached AMX crossings' keys (:func:`apply_amx`); changed whenever either path's cost
-changes, so that every machine measures again."""
-AMX_WIDTHS = (1, 2, 3, 4, 5, 6, 9)
-"""Greedy step widths :func:`measure_amx` times: decoding, verification of 1-8 drafts."""
-
-
-@torch.no_grad()
-def measure_amx(
-    model: Any, widths: tuple[int, ...] = AMX_WIDTHS, rounds: int = 4, context: int = STEP_CONTEXT
-) -> dict[str, dict[int, list[float]]]:
-    """Seconds of a greedy step (``forward_greedy``) of each of ``widths`` tokens after ``context``,
-    with int8 products on the AMX tiles and on the VNNI tiles, alternating over ``rounds`` (after one
-    uncounted warm-up round): ``{"amx": {T: [s, ...]}, "vnni": {...}}``. Leaves ``model`` (a kernel
-    ``FastLlama`` with tiles) empty, for as many rows as before, with the tiles on from its own
-    ``amx_rows``."""
-    kernel, batch = model._kernel, model._batch
-    ids = torch.arange(context + max(widths)).remainder(model.vocab_size).view(1, -1)  # [1, C + W]
-    back = torch.tensor([context])
-    calls = _calls(model, ids, context, widths, "greedy")
-    times: dict[str, dict[int, list[float]]] = {path: {t: [] for t in widths} for path in ("amx", "vnni")}
-    try:
-        model.reset(1)
-        model.forward(ids[:, :context], logits="none")
-        for r in range(rounds + 1):
-            for t in widths:
-                for path in ("amx", "vnni") if r % 2 else ("vnni", "amx"):
-                    kernel.set_amx(path == "amx")
-                    kernel.set_amx_rows(1)
-                    start = time.perf_counter()
-                    calls[t]()
-                    if r:
-                        times[path][t].append(time.perf_counter() - start)
-                    model.truncate(back)
-    finally:
-        kernel.set_amx(True)
-        kernel.set_amx_rows(model.amx_rows)
-        model.reset(batch)
-    return times
-
-
-def amx_crossing(times: dict[str, dict[int, list[float]]]) -> int:
-    """The narrowest call that reads the AMX tiles: the narrowest measured width from which on the
-    tiles are faster at every measured width (least times); one past the widest measured if they
-    are not faster there (prompts, of many more rows, still read them)."""
-    widths = sorted(times["amx"])
-    narrowest = widths[-1] + 1
-    for t in reversed(widths):
-        if min(times["amx"][t]) > min(times["vnni"][t]):
-            break
-        narrowest = t
-    return narrowest
+AMX_ROWS = STEP_WIDTHS + 1
+"""From how many tokens a call reads the int8 AMX tiles by default: wider than any greedy step the
+engine prices (:data:`STEP_WIDTHS`), so prompts (and wide batches) take the tiles and decoding
+stays on the VNNI tiles. Switching between the two paths from step to step cost more than the
+tiles saved (SmolLM2-135M int8 on the 2-core Xeon, 26 Spec-Bench prompts, two rounds, 64 new
+tokens, whole-request tokens/s, /tmp/s34/genab.py; plain / lookup with the n-gram table k = 4 /
+k = 8): tiles from 1 token 198.2 / 256.1 / 257.1, from 4 (what timing single steps of each width
+had chosen) 222.8 / 250.9 / 256.9, from 10 225.3 / 265.0 / 267.6. Steps repeated at one width
+(/tmp/s34/steady.py, min / median ms): VNNI 1 token 3.24 / 3.59, 5 tokens 5.08 / 5.53; AMX 3.69 /
+4.32 and 5.12 / 5.39; 1 and 5 alternating, 5 on the tiles: 4.58 / 4.72 and 5.68 / 6.39."""
 
 
 def apply_amx(model: Any) -> int:
-    """Set from how many tokens a call of ``model`` (a kernel ``FastLlama``, its cache empty) reads
-    its int8 matrices' AMX tiles (``amx_rows``), and return it: ``VERISPEC_AMX_ROWS`` if set to a
-    number, 1 for small models, else the cached crossing for this CPU and model, else
-    :func:`amx_crossing` of :func:`measure_amx`, cached. Nothing to set (0) without tiles.
-
-    A one-token step streams the weights at the memory's pace either way; from a few tokens on, the
-    VNNI tiles' int16 products cost more than the tiles' (SmolLM2-135M in int8 on the 2-core Xeon,
-    greedy step at 200 cached tokens, min / median of 60, ms, AMX / VNNI: 1 token 4.81 / 5.54
-    against 4.37 / 5.00, 5 tokens 5.81 / 6.38 against 5.86 / 6.43, 9 tokens 6.54 / 7.33 against
-    8.16 / 8.68)."""
+    """Set from how many tokens a call of ``model`` (a kernel ``FastLlama``) reads its int8
+    matrices' AMX tiles (``amx_rows``) and return it: ``VERISPEC_AMX_ROWS`` if set to a number,
+    else :data:`AMX_ROWS`. Nothing to set (0) without tiles."""
     kernel = model._kernel
     if not bool(getattr(kernel, "tile_bytes", lambda: 0)()):
         return 0
@@ -471,19 +422,7 @@ def apply_amx(model: Any) -> int:
         from verispec.config import ConfigError
 
         raise ConfigError(f"{AMX_ENV} must be auto or a number of tokens >= 1; got {value}")
-    if value is None and model.weight_bytes() < MIN_TUNED_BYTES:
-        value = 1
-    elif value is None:
-        value = _cached(
-            model,
-            AMX_KEY,
-            lambda v: isinstance(v, int) and v >= 1,
-            lambda: amx_crossing(measure_amx(model)),
-            "int8 steps on the AMX tiles and on the VNNI tiles",
-            "about 2 s",
-            needs=STEP_CONTEXT + max(AMX_WIDTHS),
-            fallback=1,
-        )
+    value = AMX_ROWS if value is None else value
     model.amx_rows = value
     kernel.set_amx_rows(value)
     return value
