@@ -64,8 +64,8 @@ of at least ``amx_rows`` tokens there, bitwise the same integers. By default tho
 decoding steps stay on the VNNI tiles, since switching paths from step to step cost more than the
 tiles saved (``schedule.AMX_ROWS`` has the figures). On the 2-core Xeon an int8 prompt of 700
 tokens took 262-275 ms on the tiles against 557-581 on the VNNI tiles. ``VERISPEC_AMX=0`` turns the
-tiles off, ``VERISPEC_AMX_ROWS=N`` sets the width (1: verification too, 1.18-1.29x one token for
-five in the bench, against 1.4 on the VNNI tiles, but slower generation there).
+tiles off, ``VERISPEC_AMX_ROWS=N`` sets the width (1: verification too; generation ran slower that
+way there).
 
 Cache invariant (see ``base.py``): row ``r`` holds ``lengths[r]`` tokens at positions
 ``0 .. lengths[r] - 1`` of its slice of every ``[B, H_kv, S, D]`` cache; ``truncate`` only lowers the
