@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from conftest import tiny_llama
+from transformers import LlamaForCausalLM
 
 from verispec.models import fast_llama, schedule
 from verispec.models.fast_llama import FastLlama
@@ -23,17 +24,7 @@ requires_amx = pytest.mark.skipif(not AMX, reason="no AMX int8 tiles on this mac
 
 def _llama() -> LlamaForCausalLM:
     """A random Llama whose matrices all fit whole tiles (rows % 16 == 0, columns % 64 == 0)."""
-    torch.manual_seed(3)
-    cfg = LlamaConfig(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_llama(320, seed=3, hidden=64, dtype=torch.float32)
 
 
 def _pairs(w: torch.Tensor) -> torch.Tensor:

@@ -266,17 +266,13 @@ def goal_checks(results: dict) -> list[dict]:
         ratio = 1 / hf["relative_to_autoregressive"]
         add(">= 2x transformers generate (plain, float32)", f"{ratio:.2f}x", ratio >= 2.0)
     formats = results.get("by_dtype", {})
-    if len(formats) > 1:  # each weight format's own ratio: the kernels differ (int8 on AMX tiles)
-        for dtype, d in formats.items():
-            v = d.get("verify_cost_ratio")
-            add(
-                f"forward over 5 new tokens <= 1.3x one token ({dtype})",
-                _fmt(v),
-                None if v is None else v <= 1.3,
-            )
-    else:
-        v = results.get("verify_cost_ratio")
-        add("forward over 5 new tokens <= 1.3x one token", _fmt(v), None if v is None else v <= 1.3)
+    ratios = (  # with several weight formats, each one's own ratio: their kernels differ
+        [(f" ({dtype})", d.get("verify_cost_ratio")) for dtype, d in formats.items()]
+        if len(formats) > 1
+        else [("", results.get("verify_cost_ratio"))]
+    )
+    for label, v in ratios:
+        add(f"forward over 5 new tokens <= 1.3x one token{label}", _fmt(v), None if v is None else v <= 1.3)
     llama = {c: _row(rows, "llama.cpp", c) for c in key_cats}
     for dtype in results.get("by_dtype", {}):
         if dtype == "float32" or not all(llama.values()):

@@ -678,6 +678,18 @@ inline void tile_rows_q_wide(const int16_t* x, int64_t ldx, const float* xs, con
 
 #endif
 
+// A row's int16 scale from its largest magnitude `amax` and whether it holds a NaN: xs = amax / 32767
+// and the factor 32767 / amax its values are multiplied by; a row that is zero, or holds a NaN or an
+// inf, keeps nothing meaningful and gets xs = 0, factor 0 (the caller zeroes it).
+inline float row_scale(float amax, bool nan, float* xs) {
+  if (nan || !(amax > 0.0f) || !std::isfinite(amax)) {
+    *xs = 0.0f;
+    return 0.0f;
+  }
+  *xs = amax / 32767.0f;
+  return 32767.0f / amax;
+}
+
 // Each row of x [M, K] (stride ldx) as int16 q [M, K] and scale xs [M]: x ~= q * xs, with
 // xs = max |x| / 32767 and q rounded to nearest (ties to even); an all-zero row gets xs = 0.
 inline void quantize_rows_i16(const float* x, int64_t M, int64_t ldx, int64_t K, int16_t* q,
@@ -703,13 +715,11 @@ inline void quantize_rows_i16(const float* x, int64_t M, int64_t ldx, int64_t K,
       amax = std::max(amax, std::fabs(r[k]));
       nan = nan || std::isnan(r[k]);
     }
-    if (nan || !(amax > 0.0f) || !std::isfinite(amax)) {  // zero, NaN or inf: nothing meaningful to keep
-      xs[m] = 0.0f;
+    const float inv = row_scale(amax, nan, xs + m);
+    if (inv == 0.0f) {
       std::memset(o, 0, K * sizeof(int16_t));
       continue;
     }
-    const float inv = 32767.0f / amax;
-    xs[m] = amax / 32767.0f;
     const __m256 vinv = _mm256_set1_ps(inv);
     for (k = 0; k + 8 <= K; k += 8) {
       // cvtps rounds to nearest even; packs saturates to +-32767 at most here (|r * inv| <= 32767).
@@ -817,14 +827,13 @@ inline void quantize_rows_bytes(const float* x, int64_t M, int64_t ldx, int64_t 
       nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     }
     const float amax = _mm512_reduce_max_ps(vmax);  // max of non-negative values: exact in any order
-    if (nan != 0 || !(amax > 0.0f) || !std::isfinite(amax)) {  // as quantize_rows_i16: zero, NaN or inf
-      xs[m] = 0.0f;
+    const float inv = row_scale(amax, nan != 0, xs + m);
+    if (inv == 0.0f) {
       std::memset(hi + m * K, 0, K);
       std::memset(lo + m * K, 0, K);
       continue;
     }
-    xs[m] = amax / 32767.0f;
-    const __m512 vinv = _mm512_set1_ps(32767.0f / amax);
+    const __m512 vinv = _mm512_set1_ps(inv);
     for (int64_t k = 0; k < K; k += 16) {
       const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(r + k), vinv));  // |q| <= 32767
       _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + m * K + k), _mm512_cvtepi32_epi8(_mm512_srai_epi32(q, 8)));
@@ -2270,22 +2279,30 @@ class FastLlamaKernel {
   }
   int64_t amx_rows() const { return amx_rows_; }
 
-  // The int8 matrices the tiles can take (`amx_shape_ok`): every layer's and the head.
-  std::vector<Mat*> tile_mats() {
+  // Every layer's matrices and the head: what `pack_amx` may give tiles.
+  std::vector<Mat*> product_mats() {
     std::vector<Mat*> out;
     for (Layer& L : layers_)
       for (Mat* m : {&L.wqkv, &L.wo, &L.wgu, &L.wdown}) out.push_back(m);
     if (head_.w.defined()) out.push_back(&head_);
+    return out;
+  }
+
+  // The int8 matrices of `product_mats` that the tiles can take (`amx_shape_ok`).
+  std::vector<Mat*> tile_mats() {
     std::vector<Mat*> fit;
-    for (Mat* m : out)
+    for (Mat* m : product_mats())
       if (m->w.scalar_type() == at::kChar && amx_shape_ok(m->w.size(0), m->w.size(1))) fit.push_back(m);
     return fit;
   }
 
-  // Bytes `pack_amx` needs: each matrix's, rounded up to a cache line.
+  // A matrix's bytes in `pack_amx`'s buffer: its own, rounded up to a cache line.
+  static int64_t tile_slot(const Mat& m) { return (m.w.numel() + 63) / 64 * 64; }
+
+  // Bytes `pack_amx` needs.
   int64_t tile_bytes_needed() {
     int64_t n = 0;
-    for (Mat* m : tile_mats()) n += (m->w.numel() + 63) / 64 * 64;
+    for (Mat* m : tile_mats()) n += tile_slot(*m);
     return n;
   }
 
@@ -2305,16 +2322,15 @@ class FastLlamaKernel {
       const int64_t N = m->w.size(0), K = m->w.size(1);
       m->amx = buf.narrow(0, at, N * K);
       amx_pack(wptr<i8>(m->w), N, K, m->paired, reinterpret_cast<i8*>(m->amx.data_ptr()));
-      at += (N * K + 63) / 64 * 64;
+      at += tile_slot(*m);
     }
   }
 
   // Bytes of the AMX tiles this object holds (`pack_amx`), beyond the weights it was handed.
-  int64_t tile_bytes() const {
-    int64_t n = head_.amx.defined() ? head_.amx.nbytes() : 0;
-    for (const Layer& L : layers_)
-      for (const Mat* m : {&L.wqkv, &L.wo, &L.wgu, &L.wdown})
-        if (m->amx.defined()) n += m->amx.nbytes();
+  int64_t tile_bytes() {
+    int64_t n = 0;
+    for (Mat* m : product_mats())
+      if (m->amx.defined()) n += m->amx.nbytes();
     return n;
   }
 
@@ -2521,17 +2537,15 @@ class FastLlamaKernel {
       any_nan = any_nan || std::isnan(row[j]);
       most = std::max(most, row[j]);
     }
-    for (int64_t j = 0; j < n; ++j) {  // the first NaN, or the first element equal to the maximum
-      if (j + 8 <= n8) {
-        const __m256 v = _mm256_loadu_ps(row + j);
-        const __m256 hit = any_nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q) : _mm256_cmp_ps(v, _mm256_set1_ps(most), _CMP_EQ_OQ);
-        const int mask = _mm256_movemask_ps(hit);
-        if (mask != 0) return j + __builtin_ctz(mask);
-        j += 7;
-        continue;
-      }
-      if (any_nan ? std::isnan(row[j]) : row[j] == most) return j;
+    // The first NaN, or the first element equal to the maximum.
+    const __m256 vmost = _mm256_set1_ps(most);
+    for (int64_t j = 0; j < n8; j += 8) {
+      const __m256 v = _mm256_loadu_ps(row + j);
+      const int mask = _mm256_movemask_ps(any_nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q) : _mm256_cmp_ps(v, vmost, _CMP_EQ_OQ));
+      if (mask != 0) return j + __builtin_ctz(mask);
     }
+    for (int64_t j = n8; j < n; ++j)
+      if (any_nan ? std::isnan(row[j]) : row[j] == most) return j;
     return 0;  // not reached: some element equals the maximum of them all
   }
 

@@ -182,10 +182,10 @@ def kernel_flags() -> list[str]:
 
 
 def amx_enabled() -> bool:
-    """Whether int8 products run on AMX tiles: the kernel was built with them, the OS lets this
-    process use them, and ``VERISPEC_AMX`` is not ``0``. On such a CPU (Intel Xeon since Sapphire
-    Rapids) a verification of 5 tokens then costs about what one token does (the kernel's
-    ``linear_amx``); the int8 weights are held twice (pairs and tiles)."""
+    """Whether int8 models get AMX tiles for their wide calls (``FastLlama.amx_rows``): the kernel
+    was built with them, the OS lets this process use them, and ``VERISPEC_AMX`` is not ``0``. On
+    such a CPU (Intel Xeon since Sapphire Rapids) the int8 weights are then held twice (pairs and
+    tiles)."""
     if os.environ.get("VERISPEC_AMX", "1") == "0":
         return False
     ready = getattr(_load_kernel(), "amx_ready", None)  # None: no kernel, or a build before AMX
@@ -739,6 +739,9 @@ class FastLlama:
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
         self._kernel: Any = None
+        self.amx_rows = schedule.AMX_ROWS
+        """From how many tokens a call reads the int8 matrices' AMX tiles where the kernel has them
+        (:func:`verispec.models.schedule.apply_amx`: prompts, not decoding steps; outputs the same)."""
         if use_kernel:
             self._kernel = self._build_kernel()
         self.kv_dtype: torch.dtype = _kv_dtype(dtype, self._kernel is not None)
@@ -767,9 +770,6 @@ class FastLlama:
         """With ``record_hidden``: for each row, ``(start, hidden [T, hidden])`` of the last forward
         that fed it (positions ``start .. start + T - 1``); survives calls on other rows."""
         self.reset(max_batch_size)
-        self.amx_rows = 1
-        """From how many tokens a call reads the int8 matrices' AMX tiles where the kernel has them
-        (:func:`verispec.models.schedule.apply_amx`: prompts, not decoding steps; outputs the same)."""
         self.kernel_schedule: str | None = None
         """How the kernel reads the paired weights on this machine (:mod:`verispec.models.schedule`;
         measured once per machine, outputs the same either way); None without the kernel."""
@@ -927,6 +927,7 @@ class FastLlama:
         if self.dtype == "int8" and amx_enabled():
             k.pack_amx(huge_page_bytes(int(k.tile_bytes_needed())))  # None: memory of its own
             k.set_amx(True)
+            k.set_amx_rows(self.amx_rows)
         return k
 
     @property
