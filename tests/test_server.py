@@ -286,6 +286,12 @@ def test_unknown_model_is_404(client: openai.OpenAI) -> None:
     assert "gpt-9" in exc.value.body["message"]
 
 
+def test_model_may_be_left_out(server: Server) -> None:
+    resp = _post(server, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["model"] == "tiny"
+
+
 @pytest.mark.parametrize(
     "extra, param",
     [

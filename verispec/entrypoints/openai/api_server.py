@@ -389,8 +389,8 @@ def _check_auth(state: ServerState, request: Any) -> None:
         )
 
 
-def _check_model(state: ServerState, model: str) -> None:
-    if model != state.served_model_name:
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.served_model_name:
         raise APIError(
             404,
             f"The model '{model}' does not exist; this server serves '{state.served_model_name}'.",

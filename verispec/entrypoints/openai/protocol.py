@@ -69,7 +69,8 @@ class _Common(BaseModel):
 
     model_config = ConfigDict(extra="allow")  # clients send fields we ignore harmlessly (user, ...)
 
-    model: str
+    model: str | None = None
+    """The served model's name; None (left out) means the one model this server serves, as vLLM allows."""
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
