@@ -1,0 +1,131 @@
+"""Where a greedy step's time goes: microseconds per step in each part of the C++ kernel's forward.
+
+Builds a copy of ``verispec/csrc/fast_llama.cpp`` (or ``--source``) with a clock read after each
+part of a layer (the norms, the qkv product, writing the cache, attention, the output product, the
+gate/up product, SwiGLU, the down product) and around the head, loads the model on it, and times
+greedy steps of each width after ``--context`` cached tokens (the cache truncated back after each),
+``--steps`` of each width in a row. It prints, per width, the step's min / median ms and the mean
+microseconds per step in each part. The clock reads cost well under a microsecond each.
+
+    flock /tmp/verispec-cpu.lock python benchmarks/step_phases.py [--dtype int8] [--widths 1 2 3 5 9]
+        [--amx-rows 10 1] [--steps 100] [--context 200] [--source FILE]
+
+``--amx-rows`` (int8 on a CPU with AMX tiles): from how many tokens a call reads the tiles, one
+line per value and width. A float32 model's greedy head is its screen (``final`` and ``head`` read
+0 there; the step's remainder is the head).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from verispec.models import fast_llama
+from verispec.models.loading import load_model
+from verispec.models.schedule import _calls
+
+PARTS = ["plan", "norms", "qkv", "write_kv", "attn", "wo", "gu", "swiglu", "down", "final", "head"]
+
+# Each statement of a layer's loop in `FastLlamaKernel::run`, and the part (index into PARTS) the
+# time up to its end is charged to.
+_LAYER = [
+    ("rmsnorm(x, M, H, L.in_norm.data_ptr<float>(), eps_, xn);", 1),
+    ("product<WT>(L.wqkv, xn, M, H, QKV, opt(L.bqkv), qkv, false);", 2),
+    ("write_kv(l, M, sl, ps, cos, sin);", 3),
+    ("attention(l, M, ps);", 4),
+    ("product<WT>(L.wo, att_.data(), M, HQD, H, opt(L.bo), x, true);", 5),
+    ("rmsnorm(x, M, H, L.post_norm.data_ptr<float>(), eps_, xn);", 1),
+    ("product<WT>(L.wgu, xn, M, H, 2 * I, nullptr, gu_.data(), false);", 6),
+    ("swiglu(M, I);", 7),
+    ("product<WT>(L.wdown, act_.data(), M, I, H, nullptr, x, true);", 8),
+]
+_CLOCK = """#include <vector>
+#include <chrono>
+static double g_parts[16];
+static inline double now_us() {
+  const auto t = std::chrono::steady_clock::now().time_since_epoch();
+  return std::chrono::duration<double, std::micro>(t).count();
+}
+#define PART(i) { const double t_ = now_us(); g_parts[i] += t_ - last_; last_ = t_; }
+"""
+_HEAD = "    if (R > 0) head_logits<WT>(sel.data(), R, logits.data_ptr<float>());\n    return logits;"
+
+
+def instrument(source: str) -> str:
+    """The kernel source with the part clocks and a module function ``parts()`` (the microseconds
+    summed per part since the last call, [16], then reset). Raises if the source's forward no longer
+    has the statements this expects."""
+    out = source.replace("#include <vector>\n", _CLOCK, 1)
+    for stmt, part in _LAYER:
+        line = f"      {stmt}\n"
+        if out.count(line) != 1:
+            raise SystemExit(f"the kernel's forward changed: no single line {stmt!r}")
+        out = out.replace(line, f"      {stmt} PART({part})\n")
+    start = "    plan_attention(M, sl);\n    for (size_t l"
+    if start not in out or _HEAD not in out:
+        raise SystemExit("the kernel's forward changed: no plan_attention or head call where expected")
+    timed = "    double last_ = now_us();\n    plan_attention(M, sl);\n    PART(0)\n    for (size_t l"
+    out = out.replace(start, timed, 1)
+    out = out.replace(_HEAD, "    PART(9)\n" + _HEAD.replace("\n", "\n    PART(10)\n", 1), 1)
+    module = '  m.def("amx_ready", &amx_ready);'
+    return out.replace(
+        module,
+        module + '\n  m.def("parts", []() { std::vector<double> v(g_parts, g_parts + 16); '
+        "for (auto& t : g_parts) t = 0; return v; });",
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default="int8")
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--widths", type=int, nargs="+", default=[1, 2, 3, 5, 9])
+    ap.add_argument("--amx-rows", type=int, nargs="+", default=[])
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--context", type=int, default=200)
+    ap.add_argument("--source", type=Path, default=fast_llama._SRC)
+    args = ap.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "fast_llama.cpp"
+        src.write_text(instrument(args.source.read_text()))
+        fast_llama._SRC = src
+        module = fast_llama.compile_kernel(fast_llama.kernel_flags())[0]
+    fast_llama._kernel_module = module
+    model = load_model(args.model, dtype=args.dtype, max_length=args.context + 2 * max(args.widths))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.vocab_size, (1, args.context + max(args.widths)), generator=gen)  # [1, C+W]
+    model.reset(1)
+    model.forward(ids[:, : args.context], logits="none")
+    back = torch.tensor([args.context])
+    calls = _calls(model, ids, args.context, args.widths, "greedy")
+    for rows in args.amx_rows or [None]:
+        if rows is not None:
+            model._kernel.set_amx_rows(rows)
+        for w in args.widths:
+            for _ in range(5):  # warm-up
+                calls[w]()
+                model.truncate(back)
+            module.parts()
+            secs = []
+            for _ in range(args.steps):
+                start = time.perf_counter()
+                calls[w]()
+                secs.append(time.perf_counter() - start)
+                model.truncate(back)
+            parts = [p / args.steps for p in module.parts()]
+            label = f"amx_rows={rows} " if rows is not None else ""
+            print(
+                f"{label}{w} tokens: {min(secs) * 1e3:.2f} / {statistics.median(secs) * 1e3:.2f} ms; us: "
+                + " ".join(f"{name} {parts[i]:.0f}" for i, name in enumerate(PARTS)),
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
