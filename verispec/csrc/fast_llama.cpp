@@ -507,10 +507,11 @@ inline void finish_q4(const __m256d (&total)[MR], const float* xs, const float* 
   }
 }
 
-// The pair tiles below also bring the weights 4 KB ahead from L2 into L1 wherever they prefetch
-// (`pf`, kPrefetchBytes ahead into L2): one line of each stream per step of 16 columns otherwise
-// waited on L2. A 5-token int8 step's products, held in L2 and timed alone, ran at about 10
-// cycles per step against the 6.5 the same instructions take from L1. On the 2-core Xeon
+// The pair tiles below also bring the weights 4 KB ahead into L1 wherever they prefetch (`pf`,
+// kPrefetchBytes ahead into L2). A 5-token int8 step's products ran at about 10 cycles per step
+// of 16 columns, against the 6.5 the same instructions take with their data in L1; the gain
+// shows in whole steps, whose weights come from memory (products of one layer's matrix held in L2
+// and timed alone ran no faster with it). On the 2-core Xeon
 // (SmolLM2-135M int8, greedy step at 200 cached tokens, benchmarks/kernel_ab.py, two builds over
 // one copy of the weights, min / median ms): 5 tokens 4.82 / 4.94 -> 4.69 / 4.84 and 4.90 / 5.09
 // -> 4.61 / 4.77, 9 tokens 7.83 / 7.97 -> 7.44 / 7.55 (in `tile_q2p_z` alone); then in `tile_q2p`
