@@ -863,6 +863,28 @@ def test_int8_kernel_linear_on_paired_weights_is_the_same_exact_product(K: int) 
 
 
 @requires_kernel
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_int8_kernel_linear_sums_the_largest_products_exactly(sign: float) -> None:
+    """Every activation at +-32767 and every weight at 127: the integer sums reach the bounds the
+    tiles' int32 lanes are flushed for (4096 columns per lane, 1024 per lane where four lanes are
+    added in int32 first), at every row count and both weight layouts."""
+    from verispec.models.fast_llama import _interleave_pairs, _load_kernel
+
+    kernel = _load_kernel().FastLlamaKernel(8, 1, 1, 8, 8, 1e-5)
+    K, n = 8192 + 64, 8
+    q, scale = _quantize_rows(torch.ones(n, K))
+    assert int(q.min()) == 127
+    paired = q.clone()
+    _interleave_pairs(paired)
+    bias = torch.zeros(n)
+    for m in (1, 2, 3, 5, 9):
+        x = torch.full((m, K), sign)
+        want = _int16_activation_linear(x, q, bias, scale)
+        assert torch.equal(kernel.linear(x, paired, bias, scale, paired=True), want), m
+        assert torch.equal(kernel.linear(x, q, bias, scale), want), m
+
+
+@requires_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_float_kernel_linear_on_paired_weights_is_bitwise_the_row_major_one(dtype: torch.dtype) -> None:
     """Pair-interleaved float32 and bfloat16 weights meet 5-6 input rows (or, by the machine's

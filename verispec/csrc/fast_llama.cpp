@@ -335,6 +335,24 @@ inline __m256d hsum4_i32(__m256i a, __m256i b, __m256i c, __m256i d) {
 // 4096 k stay below 2^31.
 constexpr int64_t kIntChunk = 4096;
 
+// k per flush where the pair tiles add 4 lanes in int32 before leaving for double (`hsum4_quad`,
+// `hsum4_z`): 4 lanes over 1024 k stay below 2^31. The tiles take it where K <= 2048 (SmolLM2's
+// 576 and 1536); longer rows keep kIntChunk and `hsum4_i32`, whose rarer flushes cost less there
+// (K = 4096, 9 rows: 81.0 us a product in 4096-k chunks, 93.9 in 1024-k ones).
+constexpr int64_t kQuadChunk = 1024;
+
+// `hsum4_i32` for lanes of at most 2^31 / 4 in magnitude: each of a, b, c and d's 8 lanes summed
+// four at a time in int32, then the two halves in double. The same exact integers, with fewer
+// conversions and no horizontal adds.
+inline __m256d hsum4_quad(__m256i a, __m256i b, __m256i c, __m256i d) {
+  const __m256i ab = _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+  const __m256i cd = _mm256_add_epi32(_mm256_unpacklo_epi32(c, d), _mm256_unpackhi_epi32(c, d));
+  // per 128-bit half: [a, b, c, d], each the sum of 4 lanes (0-3, then 4-7)
+  const __m256i q = _mm256_add_epi32(_mm256_unpacklo_epi64(ab, cd), _mm256_unpackhi_epi64(ab, cd));
+  return _mm256_add_pd(_mm256_cvtepi32_pd(_mm256_castsi256_si128(q)),
+                       _mm256_cvtepi32_pd(_mm256_extracti128_si256(q, 1)));
+}
+
 // The MR x NR accumulators of an int8 tile summed exactly into `total` (`hsum4_i32`), four at a
 // time, flattened row by row: lane l of total[g] gains the sum of element 4g + l, (i, j) being
 // element i * NR + j. These sums left the registers one at a time through the stack, into int64,
@@ -534,8 +552,10 @@ inline void tile_q2p(const int16_t* x, int64_t ldx, const float* xs, const i8* w
   const i8* p1 = w + 2 * K;
   __m256d total[MR];
   for (int i = 0; i < MR; ++i) total[i] = _mm256_setzero_pd();
-  for (int64_t c0 = 0; c0 < K; c0 += kIntChunk) {  // paired: K % 16 == 0, no tail
-    const int64_t c1 = std::min(K, c0 + kIntChunk);
+  const bool quad = K <= 2 * kQuadChunk;  // as in `tile_q2p_z`
+  const int64_t chunk = quad ? kQuadChunk : kIntChunk;
+  for (int64_t c0 = 0; c0 < K; c0 += chunk) {  // paired: K % 16 == 0, no tail
+    const int64_t c1 = std::min(K, c0 + chunk);
     __m256i acc[MR][NR];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i)
@@ -562,7 +582,8 @@ inline void tile_q2p(const int16_t* x, int64_t ldx, const float* xs, const i8* w
     }
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i)
-      total[i] = _mm256_add_pd(total[i], hsum4_i32(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+      total[i] = _mm256_add_pd(total[i], quad ? hsum4_quad(acc[i][0], acc[i][1], acc[i][2], acc[i][3])
+                                              : hsum4_i32(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
   }
   finish_q4<MR>(total, xs, scale, bias, y, ldy, accumulate);
 }
@@ -573,6 +594,29 @@ constexpr int kWideInt8Rows = 5;
 // Most input rows per pass of `tile_q2p_z`: with 10 or more (20 accumulators) the compiler spills
 // (10 rows 11.1 ms against two passes of 5, 7.5; 12 rows 12.9 against 8.2).
 constexpr int64_t kWideInt8MostRows = 9;
+
+// The exact sums of the 8 int32 lanes of each of four weight rows' chains for one input row, from
+// P = [row a's 8 lanes | row b's] and Q = [c | d]: [sum a, sum b, sum c, sum d] as doubles. Lanes
+// are added in int32 four at a time (`kQuadChunk` keeps those sums in range), then the two halves
+// in double: the same exact integers `hsum4_i32` forms, so the same outputs, in about a third of
+// its instructions. Its conversions and horizontal adds, once per input row and 4 weight rows,
+// took about 3 cycles per step of a 5-row tile over SmolLM2's 576 columns (36 steps). On the
+// 2-core Xeon, one product of [3072, 576] int8 weights from L2 (/tmp/s35/shapes_ab.py, min of 8,
+// builds alternating in one process): 5 rows 41.9 -> 34.5 us, 9 rows 70.6 -> 62.4; greedy steps
+// with this and `hsum4_quad` in `tile_q2p` (benchmarks/kernel_ab.py, min / median ms): 1 token
+// 3.05 / 3.33 -> 3.00 / 3.21, 2 3.47 / 3.75 -> 3.35 / 3.56, 3 3.91 / 4.13 -> 3.78 / 3.97, 5 4.84 /
+// 4.98 -> 4.41 / 4.62, 9 7.76 / 7.87 -> 7.08 / 7.21.
+inline __m256d hsum4_z(__m512i P, __m512i Q) {
+  // Per 128-bit lane: [a0 + a2, c0 + c2, a1 + a3, c1 + c3] (a's lanes 0-3; the next lane holds 4-7,
+  // then b's, as for a).
+  const __m512i s = _mm512_add_epi32(_mm512_unpacklo_epi32(P, Q), _mm512_unpackhi_epi32(P, Q));
+  const __m512i t = _mm512_add_epi32(s, _mm512_shuffle_epi32(s, _MM_PERM_BADC));  // [a0-3, c0-3, ..]
+  const __m512i g = _mm512_permutexvar_epi32(
+      _mm512_setr_epi32(0, 8, 1, 9, 4, 12, 5, 13, 0, 0, 0, 0, 0, 0, 0, 0), t);  // [a b c d](0-3) [a b c d](4-7)
+  const __m256i h = _mm512_castsi512_si256(g);
+  return _mm256_add_pd(_mm256_cvtepi32_pd(_mm256_castsi256_si128(h)),
+                       _mm256_cvtepi32_pd(_mm256_extracti128_si256(h, 1)));
+}
 
 inline __m512i dot_acc_z(__m512i acc, __m512i x, __m512i w) {  // as dot_acc, 32 products
   asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
@@ -596,8 +640,10 @@ inline void tile_q2p_z(const int16_t* x, int64_t ldx, const float* xs, const i8*
   const i8* p1 = w + 2 * K;
   __m256d total[MR];
   for (int i = 0; i < MR; ++i) total[i] = _mm256_setzero_pd();
-  for (int64_t c0 = 0; c0 < K; c0 += kIntChunk) {  // paired: K % 16 == 0, no tail
-    const int64_t c1 = std::min(K, c0 + kIntChunk);
+  const bool quad = K <= 2 * kQuadChunk;  // else the fewer, longer chunks of `hsum4_i32`
+  const int64_t chunk = quad ? kQuadChunk : kIntChunk;
+  for (int64_t c0 = 0; c0 < K; c0 += chunk) {  // paired: K % 16 == 0, no tail
+    const int64_t c1 = std::min(K, c0 + chunk);
     __m512i acc[MR][2];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
@@ -620,8 +666,9 @@ inline void tile_q2p_z(const int16_t* x, int64_t ldx, const float* xs, const i8*
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i)
       total[i] = _mm256_add_pd(
-          total[i], hsum4_i32(_mm512_castsi512_si256(acc[i][0]), _mm512_extracti64x4_epi64(acc[i][0], 1),
-                              _mm512_castsi512_si256(acc[i][1]), _mm512_extracti64x4_epi64(acc[i][1], 1)));
+          total[i], quad ? hsum4_z(acc[i][0], acc[i][1])
+                         : hsum4_i32(_mm512_castsi512_si256(acc[i][0]), _mm512_extracti64x4_epi64(acc[i][0], 1),
+                                     _mm512_castsi512_si256(acc[i][1]), _mm512_extracti64x4_epi64(acc[i][1], 1)));
   }
   finish_q4<MR>(total, xs, scale, bias, y, ldy, accumulate);
 }
