@@ -539,7 +539,8 @@ constexpr int64_t kNearPrefetch = 4096;
 
 // `tile_q` for two pairs of pair-interleaved rows (4 weight rows: w and w + 2K) and MR >= 2 input
 // rows: MR x 4 accumulators (up to 24 of AVX-512VL's 32 ymm registers), so each input load feeds 4
-// products instead of 2, and the sums leave the registers 4 at a time in double (`hsum4_i32`).
+// products instead of 2, and the sums leave the registers 4 at a time in double (`hsum4_quad`, or
+// `hsum4_i32` for rows longer than 2048).
 // Every output is the same: the same exact integer sum, then (t * xs) * scale in double rounded
 // once to float, then the bias. Measured against tile_q<MR, 2> (one thread, int8 [1536, 576] from
 // L2, GMAC/s): 2 rows 42 -> 65, 3 rows 48 -> 76, 5 rows 52 -> 75, 9 rows 49 -> 84.
