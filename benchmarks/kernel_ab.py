@@ -48,7 +48,10 @@ def main() -> None:
     for module in modules:
         fast_llama._kernel_module = module
         kernel = model._build_kernel()
-        kernel.set_schedule(*schedule)  # _build_kernel gives it the model's block rows, not its schedule
+        try:  # _build_kernel gives it the model's block rows, not its schedule
+            kernel.set_schedule(*schedule)
+        except TypeError:  # a source from before session 35, whose schedule had three fields
+            kernel.set_schedule(*schedule[:3])
         kernel.set_cache(model.k_cache, model.v_cache)
         kernels.append(kernel)
 

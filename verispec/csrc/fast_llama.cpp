@@ -81,6 +81,7 @@ struct Schedule {
   bool prefetch_one_row = false;    // software prefetch in a paired pass of one input row
   int64_t wide_float_rows = 6;      // paired float32 products of at least this many input rows
                                     // use 512-bit tiles (`tile2p_z`) where compiled; 0: never
+  int64_t wide_int8_rows = 5;       // ... paired int8 ones (`tile_q2p_z`, where AVX-512 VNNI is)
 };
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -591,7 +592,6 @@ inline void tile_q2p(const int16_t* x, int64_t ldx, const float* xs, const i8* w
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-constexpr int kWideInt8Rows = 5;
 // Most input rows per pass of `tile_q2p_z`: with 10 or more (20 accumulators) the compiler spills
 // (10 rows 11.1 ms against two passes of 5, 7.5; 12 rows 12.9 against 8.2).
 constexpr int64_t kWideInt8MostRows = 9;
@@ -628,11 +628,14 @@ inline __m512i dot_acc_z(__m512i acc, __m512i x, __m512i w) {  // as dot_acc, 32
 // pair-interleaved layout puts them side by side) widened into one register, and the input's 16
 // values broadcast to both halves, so each instruction multiplies for two weight rows. The integer
 // sums are exact, so every output is the same as `tile_q2p`'s (and `tile_q`'s). Used for calls of
-// kWideInt8Rows input rows or more (`tile_rows_q_wide`): measured on a 2-core Zen 5 EPYC
-// (SmolLM2-135M int8 at 200 cached tokens, greedy step, min of 14, ms, in one process, `tile_q2p`
-// / this in every paired pass of 2 or more rows), 2 rows 4.56 / 4.71, 4 4.49 / 4.73, 5 4.97 / 4.63
-// and 5.85 / 5.20 (two runs): below 5 rows the step waits on memory, and the wider tile cost a few
-// percent.
+// `Schedule::wide_int8_rows` input rows or more (`tile_rows_q_wide`): measured on a 2-core Zen 5
+// EPYC (SmolLM2-135M int8 at 200 cached tokens, greedy step, min of 14, ms, in one process,
+// `tile_q2p` / this in every paired pass of 2 or more rows), 2 rows 4.56 / 4.71, 4 4.49 / 4.73, 5
+// 4.97 / 4.63 and 5.85 / 5.20 (two runs): below 5 rows the step waited on memory, and the wider
+// tile cost a few percent (the `one-stream` schedule keeps 5). On the 2-core Xeon, with both
+// tiles' cheaper sums (`hsum4_quad`, `hsum4_z`), this tile won from 2 rows (benchmarks/kernel_ab.py,
+// medians, ms, from 5 rows / from 3: 3 tokens 4.12 / 3.77, 4 tokens 4.58 / 4.16; from 3 / from 2: 2
+// tokens 3.57 / 3.43; from 2 / from 1: 1 token 3.26 / 3.25), so `two-stream` takes it from 2.
 template <int MR>
 inline void tile_q2p_z(const int16_t* x, int64_t ldx, const float* xs, const i8* w, int64_t K,
                        const float* scale, const float* bias, float* y, int64_t ldy, bool accumulate,
@@ -725,7 +728,7 @@ inline void tile_any_q(int64_t mr, const int16_t* x, int64_t ldx, const float* x
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // Paired int8 weights with tile_q2p_z, up to kWideInt8MostRows input rows per pass, for calls of at
-// least kWideInt8Rows rows: a verification of 9 tokens reads each block of weights once. Measured
+// least `Schedule::wide_int8_rows` rows: a verification of 9 tokens reads each block of weights once. Measured
 // as `tile_q2p_z`'s figures, ms, 256-bit tiles in passes of up to 6 / these: 8 rows 7.67 / 5.76, 9
 // 8.22 / 6.66, 12 10.60 / 8.20, 16 13.75 / 10.32.
 template <int MR>
@@ -1371,7 +1374,7 @@ void linear(const float* x, int64_t M, int64_t ldx, const WT* w, int64_t N, int6
     const int16_t* q = xq.data();
     const float* qs = xs.data();
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    if (paired && M >= kWideInt8Rows) {
+    if (paired && M >= sched.wide_int8_rows) {
       for_each_pass(M, N, [&](int64_t m, int64_t mr, int64_t n0, int64_t nr, bool first) {
         with_rows<kWideInt8MostRows>(mr, [&](auto R) {
           tile_rows_q_wide<decltype(R)::value>(q + m * K, K, qs + m, w + n0 * K, K, nr, scale + n0,
@@ -2400,10 +2403,11 @@ class FastLlamaKernel {
 
   // This object's `Schedule` (see there), passed to every `linear` call it makes.
   void set_schedule(int64_t two_pair_rows_float, int64_t two_pair_rows_int8,
-                    bool prefetch_one_row) {
-    TORCH_CHECK(two_pair_rows_float >= 1 && two_pair_rows_int8 >= 1, "row counts must be >= 1");
+                    bool prefetch_one_row, int64_t wide_int8_rows) {
+    TORCH_CHECK(two_pair_rows_float >= 1 && two_pair_rows_int8 >= 1 && wide_int8_rows >= 1,
+                "row counts must be >= 1");
     schedule_ = Schedule{two_pair_rows_float, two_pair_rows_int8, prefetch_one_row,
-                         schedule_.wide_float_rows};
+                         schedule_.wide_float_rows, wide_int8_rows};
   }
 
   // From how many input rows paired float32 products use 512-bit tiles (0: never). The outputs
@@ -2415,7 +2419,7 @@ class FastLlamaKernel {
 
   pybind11::tuple get_schedule() const {
     return pybind11::make_tuple(schedule_.two_pair_rows_float, schedule_.two_pair_rows_int8,
-                                schedule_.prefetch_one_row);
+                                schedule_.prefetch_one_row, schedule_.wide_int8_rows);
   }
 
   // The s* arguments are the per-row scales of int8 weights (None for float32 and bf16).
@@ -3181,7 +3185,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("tile_bytes_needed", &FastLlamaKernel::tile_bytes_needed)
       .def("pack_amx", &FastLlamaKernel::pack_amx, pybind11::arg("buffer") = std::nullopt)
       .def("set_schedule", &FastLlamaKernel::set_schedule, pybind11::arg("two_pair_rows_float"),
-           pybind11::arg("two_pair_rows_int8"), pybind11::arg("prefetch_one_row"))
+           pybind11::arg("two_pair_rows_int8"), pybind11::arg("prefetch_one_row"),
+           pybind11::arg("wide_int8_rows") = 5)
       .def("get_schedule", &FastLlamaKernel::get_schedule)
       .def("set_wide_float_rows", &FastLlamaKernel::set_wide_float_rows)
       .def("set_q4", &FastLlamaKernel::set_q4, pybind11::arg("layer"), pybind11::arg("which"),

@@ -54,13 +54,15 @@ import torch
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-SCHEDULES: dict[str, tuple[int, int, bool]] = {
-    "one-stream": (5, 2, False),
-    "two-stream": (1, 1, True),
+SCHEDULES: dict[str, tuple[int, int, bool, int]] = {
+    "one-stream": (5, 2, False, 5),
+    "two-stream": (1, 1, True, 2),
 }
-"""Name -> ``(two_pair_rows_float, two_pair_rows_int8, prefetch_one_row)`` as the kernel's
-``set_schedule`` takes them: tiles of two weight pairs serve passes of at least that many input rows
-(float32/bfloat16, int8), and whether a pass of one input row prefetches."""
+"""Name -> ``(two_pair_rows_float, two_pair_rows_int8, prefetch_one_row, wide_int8_rows)`` as the
+kernel's ``set_schedule`` takes them: tiles of two weight pairs serve passes of at least that many
+input rows (float32/bfloat16, int8), whether a pass of one input row prefetches, and from how many
+input rows paired int8 products take the 512-bit tiles (where AVX-512 VNNI is; session 35: from 2
+on the 2-core Xeon, 3-4 tokens 8-9% faster; the Zen 5 EPYC's one-stream schedule keeps 5)."""
 
 DEFAULT = "one-stream"
 """The kernel's own default (the EPYC's best); kept where the measurement cannot decide."""
@@ -120,7 +122,7 @@ STEP_CONTEXT = 128
 MEASURE_CONTEXT = 64
 """Cached tokens before the calls :func:`measure` and :func:`measure_blocks` time."""
 
-SCHEDULE_KEY = "schedule-v3|"
+SCHEDULE_KEY = "schedule-v4|"
 """Prefix of the cached schedules' keys (:func:`apply`); changed whenever what :func:`measure` times
 changes. v2 (session 33): greedy steps as decoding runs them, with the model's 4-bit blocks and its
 head's int8 screen. Before (no prefix), the float32 matrices alone with the last position's whole
@@ -129,7 +131,8 @@ and on the 2-core Xeon it kept one stream, while two streams, whose one-row pass
 the head screen's int8 pass: SmolLM2-135M's greedy step at 200 cached tokens, both schedules
 alternating in one process (8 rounds of 5, min / median, ms), 1 token 6.09 / 6.72 -> 5.63 / 6.26,
 5 tokens 8.70 / 9.47 -> 8.96 / 9.53. v3 (session 34): with the AMX tiles off, since the schedule is
-how the pair-interleaved matrices are read, which int8 steps on the tiles do not."""
+how the pair-interleaved matrices are read, which int8 steps on the tiles do not. v4 (session 35):
+the schedules also say from how many rows int8 products take the 512-bit tiles."""
 MIN_TUNED_BYTES = 64 * 2**20
 """Models whose weights are smaller keep :data:`DEFAULT` untimed: they stay in the caches, where the
 schedules differ by little, and tests build many tiny models."""
