@@ -342,6 +342,10 @@ constexpr int64_t kIntChunk = 4096;
 // (K = 4096, 9 rows: 81.0 us a product in 4096-k chunks, 93.9 in 1024-k ones).
 constexpr int64_t kQuadChunk = 1024;
 
+// Whether a pair tile over rows of K columns adds its lanes four at a time (`hsum4_quad`,
+// `hsum4_z`, flushing every kQuadChunk columns) or through `hsum4_i32` (every kIntChunk).
+inline bool quad_sums(int64_t K) { return K <= 2 * kQuadChunk; }
+
 // `hsum4_i32` for lanes of at most 2^31 / 4 in magnitude: each of a, b, c and d's 8 lanes summed
 // four at a time in int32, then the two halves in double. The same exact integers, with fewer
 // conversions and no horizontal adds.
@@ -538,6 +542,15 @@ inline void finish_q4(const __m256d (&total)[MR], const float* xs, const float* 
 // did as well as 4, 512 bytes no better than none.
 constexpr int64_t kNearPrefetch = 4096;
 
+// The pair tiles' prefetch of their two streams at a and b: pf bytes ahead into L2, and
+// kNearPrefetch ahead into L1.
+inline void prefetch_pairs(const i8* a, const i8* b, int64_t pf) {
+  _mm_prefetch(reinterpret_cast<const char*>(a + pf), _MM_HINT_T1);
+  _mm_prefetch(reinterpret_cast<const char*>(b + pf), _MM_HINT_T1);
+  _mm_prefetch(reinterpret_cast<const char*>(a + kNearPrefetch), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(b + kNearPrefetch), _MM_HINT_T0);
+}
+
 // `tile_q` for two pairs of pair-interleaved rows (4 weight rows: w and w + 2K) and MR >= 2 input
 // rows: MR x 4 accumulators (up to 24 of AVX-512VL's 32 ymm registers), so each input load feeds 4
 // products instead of 2, and the sums leave the registers 4 at a time in double (`hsum4_quad`, or
@@ -554,7 +567,7 @@ inline void tile_q2p(const int16_t* x, int64_t ldx, const float* xs, const i8* w
   const i8* p1 = w + 2 * K;
   __m256d total[MR];
   for (int i = 0; i < MR; ++i) total[i] = _mm256_setzero_pd();
-  const bool quad = K <= 2 * kQuadChunk;  // as in `tile_q2p_z`
+  const bool quad = quad_sums(K);
   const int64_t chunk = quad ? kQuadChunk : kIntChunk;
   for (int64_t c0 = 0; c0 < K; c0 += chunk) {  // paired: K % 16 == 0, no tail
     const int64_t c1 = std::min(K, c0 + chunk);
@@ -569,12 +582,7 @@ inline void tile_q2p(const int16_t* x, int64_t ldx, const float* xs, const i8* w
       wv[1] = load16(p0 + 2 * k + 16);
       wv[2] = load16(p1 + 2 * k);
       wv[3] = load16(p1 + 2 * k + 16);
-      if (pf != 0 && (2 * k) % kLine<i8> == 0) {
-        _mm_prefetch(reinterpret_cast<const char*>(p0 + 2 * k + pf), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(p1 + 2 * k + pf), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(p0 + 2 * k + kNearPrefetch), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(p1 + 2 * k + kNearPrefetch), _MM_HINT_T0);
-      }
+      if (pf != 0 && (2 * k) % kLine<i8> == 0) prefetch_pairs(p0 + 2 * k, p1 + 2 * k, pf);
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i * ldx + k));
@@ -644,7 +652,7 @@ inline void tile_q2p_z(const int16_t* x, int64_t ldx, const float* xs, const i8*
   const i8* p1 = w + 2 * K;
   __m256d total[MR];
   for (int i = 0; i < MR; ++i) total[i] = _mm256_setzero_pd();
-  const bool quad = K <= 2 * kQuadChunk;  // else the fewer, longer chunks of `hsum4_i32`
+  const bool quad = quad_sums(K);
   const int64_t chunk = quad ? kQuadChunk : kIntChunk;
   for (int64_t c0 = 0; c0 < K; c0 += chunk) {  // paired: K % 16 == 0, no tail
     const int64_t c1 = std::min(K, c0 + chunk);
@@ -654,12 +662,7 @@ inline void tile_q2p_z(const int16_t* x, int64_t ldx, const float* xs, const i8*
     for (int64_t k = c0; k < c1; k += 16) {
       const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0 + 2 * k)));
       const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p1 + 2 * k)));
-      if (pf != 0 && (2 * k) % kLine<i8> == 0) {
-        _mm_prefetch(reinterpret_cast<const char*>(p0 + 2 * k + pf), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(p1 + 2 * k + pf), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(p0 + 2 * k + kNearPrefetch), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(p1 + 2 * k + kNearPrefetch), _MM_HINT_T0);
-      }
+      if (pf != 0 && (2 * k) % kLine<i8> == 0) prefetch_pairs(p0 + 2 * k, p1 + 2 * k, pf);
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
         const __m512i xv = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i * ldx + k)));
@@ -2114,6 +2117,10 @@ inline void store8(bf16* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+// f32 -> f16, rounded to nearest even as torch's float16 conversion (`_cvtss_sh` one at a time).
+inline void store8(f16* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
 inline void store1(bf16* p, float v) {
   uint32_t u;
   std::memcpy(&u, &v, sizeof u);
@@ -3005,10 +3012,8 @@ class FastLlamaKernel {
           int64_t d = 0;
           for (; d + 8 <= D; d += 8) {  // the same rounding, 8 at a time (1 / 5 tokens: 42 -> 29,
                                         // 89 -> 61 us per step on the Xeon, as `prefetch_rows`)
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(kc + d),
-                             _mm256_cvtps_ph(_mm256_loadu_ps(k + d), _MM_FROUND_TO_NEAREST_INT));
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(vc + d),
-                             _mm256_cvtps_ph(_mm256_loadu_ps(v + d), _MM_FROUND_TO_NEAREST_INT));
+            store8(kc + d, _mm256_loadu_ps(k + d));
+            store8(vc + d, _mm256_loadu_ps(v + d));
           }
           for (; d < D; ++d) {
             kc[d].bits = _cvtss_sh(k[d], _MM_FROUND_TO_NEAREST_INT);
@@ -3186,7 +3191,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("pack_amx", &FastLlamaKernel::pack_amx, pybind11::arg("buffer") = std::nullopt)
       .def("set_schedule", &FastLlamaKernel::set_schedule, pybind11::arg("two_pair_rows_float"),
            pybind11::arg("two_pair_rows_int8"), pybind11::arg("prefetch_one_row"),
-           pybind11::arg("wide_int8_rows") = 5)
+           pybind11::arg("wide_int8_rows"))
       .def("get_schedule", &FastLlamaKernel::get_schedule)
       .def("set_wide_float_rows", &FastLlamaKernel::set_wide_float_rows)
       .def("set_q4", &FastLlamaKernel::set_q4, pybind11::arg("layer"), pybind11::arg("which"),
