@@ -614,7 +614,8 @@ constexpr int64_t kWideInt8MostRows = 9;
 // builds alternating in one process): 5 rows 41.9 -> 34.5 us, 9 rows 70.6 -> 62.4; greedy steps
 // with this and `hsum4_quad` in `tile_q2p` (benchmarks/kernel_ab.py, min / median ms): 1 token
 // 3.05 / 3.33 -> 3.00 / 3.21, 2 3.47 / 3.75 -> 3.35 / 3.56, 3 3.91 / 4.13 -> 3.78 / 3.97, 5 4.84 /
-// 4.98 -> 4.41 / 4.62, 9 7.76 / 7.87 -> 7.08 / 7.21.
+// 4.98 -> 4.41 / 4.62, 9 7.76 / 7.87 -> 7.08 / 7.21. `hsum4_quad` over P's and Q's 256-bit halves
+// (one reduction for both tiles) ran slower: 5 tokens 4.64 -> 4.71, 9 tokens 7.31 -> 7.72 (medians).
 inline __m256d hsum4_z(__m512i P, __m512i Q) {
   // Per 128-bit lane: [a0 + a2, c0 + c2, a1 + a3, c1 + c3] (a's lanes 0-3; the next lane holds 4-7,
   // then b's, as for a).
