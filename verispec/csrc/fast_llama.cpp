@@ -346,6 +346,9 @@ constexpr int64_t kQuadChunk = 1024;
 // `hsum4_z`, flushing every kQuadChunk columns) or through `hsum4_i32` (every kIntChunk).
 inline bool quad_sums(int64_t K) { return K <= 2 * kQuadChunk; }
 
+// Columns between a pair tile's flushes of its int32 lanes into double, by `quad_sums`.
+inline int64_t flush_chunk(int64_t K) { return quad_sums(K) ? kQuadChunk : kIntChunk; }
+
 // `hsum4_i32` for lanes of at most 2^31 / 4 in magnitude: each of a, b, c and d's 8 lanes summed
 // four at a time in int32, then the two halves in double. The same exact integers, with fewer
 // conversions and no horizontal adds.
@@ -568,7 +571,7 @@ inline void tile_q2p(const int16_t* x, int64_t ldx, const float* xs, const i8* w
   __m256d total[MR];
   for (int i = 0; i < MR; ++i) total[i] = _mm256_setzero_pd();
   const bool quad = quad_sums(K);
-  const int64_t chunk = quad ? kQuadChunk : kIntChunk;
+  const int64_t chunk = flush_chunk(K);
   for (int64_t c0 = 0; c0 < K; c0 += chunk) {  // paired: K % 16 == 0, no tail
     const int64_t c1 = std::min(K, c0 + chunk);
     __m256i acc[MR][NR];
@@ -654,7 +657,7 @@ inline void tile_q2p_z(const int16_t* x, int64_t ldx, const float* xs, const i8*
   __m256d total[MR];
   for (int i = 0; i < MR; ++i) total[i] = _mm256_setzero_pd();
   const bool quad = quad_sums(K);
-  const int64_t chunk = quad ? kQuadChunk : kIntChunk;
+  const int64_t chunk = flush_chunk(K);
   for (int64_t c0 = 0; c0 < K; c0 += chunk) {  // paired: K % 16 == 0, no tail
     const int64_t c1 = std::min(K, c0 + chunk);
     __m512i acc[MR][2];
@@ -2122,6 +2125,7 @@ inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 inline void store8(f16* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
 }
+inline void store1(f16* p, float v) { p->bits = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT); }
 inline void store1(bf16* p, float v) {
   uint32_t u;
   std::memcpy(&u, &v, sizeof u);
@@ -3017,8 +3021,8 @@ class FastLlamaKernel {
             store8(vc + d, _mm256_loadu_ps(v + d));
           }
           for (; d < D; ++d) {
-            kc[d].bits = _cvtss_sh(k[d], _MM_FROUND_TO_NEAREST_INT);
-            vc[d].bits = _cvtss_sh(v[d], _MM_FROUND_TO_NEAREST_INT);
+            store1(kc + d, k[d]);
+            store1(vc + d, v[d]);
           }
         } else {
           std::memcpy(kc_[l].data_ptr<float>() + off, k, D * sizeof(float));
