@@ -80,6 +80,10 @@ def test_bench_writes_results_table_and_plots(tiny_model_folder, prompts_file, t
     assert verify == {"before": 3.0, "during": [1.2, 1.1]}
     assert results["verify_cost_ratio"] == 1.2
     assert "median of 3 readings through the run, 1.10-3.00" in (out / "results.md").read_text()
+    # beside the ratio, the step times it divides (medians of the same readings)
+    ms = results["by_dtype"]["float32"]["verify_step_ms"]
+    assert set(ms) == {"1", "5"} and 0 < ms["1"] < ms["5"] * 10
+    assert f"one token {ms['1']:.2f} ms, five {ms['5']:.2f} ms" in (out / "results.md").read_text()
     rows = results["rows"]
     for row in rows:
         assert ROW_FIELDS <= set(row), ROW_FIELDS - set(row)

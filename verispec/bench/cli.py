@@ -353,7 +353,11 @@ def run(args: argparse.Namespace) -> int:
     bandwidth_before = memory_bandwidth(probe=probe)
     # 5: verify_cost_ratio; 2 .. k + 1: the predictions, from the draft lengths each k verified
     widths = sorted({1, 5, *range(2, max(ks, default=0) + 2)})
-    costs = {d: verify_costs(t, widths, greedy=sampling.greedy) for d, t in targets.items()}
+    step_seconds: dict[str, dict[int, list[float]]] = {d: {} for d in targets}  # T -> readings
+    costs = {
+        d: verify_costs(t, widths, greedy=sampling.greedy, seconds=step_seconds[d])
+        for d, t in targets.items()
+    }
     draft_cost: dict[tuple[str, str], float] = {}
     for d, t in targets.items():
         step = forward_seconds(t, [1], greedy=sampling.greedy)[1]
@@ -386,7 +390,8 @@ def run(args: argparse.Namespace) -> int:
     def between_prompts() -> None:
         bandwidth_during.append(memory_bandwidth(reps=3, probe=probe))
         for d, t in targets.items():
-            verify_during[d].append(verify_costs(t, [5], reps=3, greedy=sampling.greedy)[5])
+            reading = verify_costs(t, [5], reps=3, greedy=sampling.greedy, seconds=step_seconds[d])
+            verify_during[d].append(reading[5])
 
     results = run_interleaved(
         configs,
@@ -453,6 +458,8 @@ def run(args: argparse.Namespace) -> int:
             "verify_cost_ratio": statistics.median([costs[d][5], *verify_during[d]]),
             "verify_cost_ratio_samples": {"before": costs[d][5], "during": verify_during[d]},
             "verify_cost_by_tokens": {str(k): v for k, v in costs[d].items()},
+            # The times the ratio divides, medians of every reading (ms): one token and five.
+            "verify_step_ms": {str(k): statistics.median(step_seconds[d][k]) * 1e3 for k in (1, 5)},
             "draft_cost": {m: c for (m, dd), c in draft_cost.items() if dd == d},
             # How the kernel read the paired weights (verispec.models.schedule); None: no kernel.
             "kernel_schedule": getattr(t, "kernel_schedule", None),

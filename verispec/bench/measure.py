@@ -144,11 +144,23 @@ def forward_seconds(
 
 
 def verify_costs(
-    model, widths: list[int], context: int = 200, reps: int = 9, greedy: bool = False
+    model,
+    widths: list[int],
+    context: int = 200,
+    reps: int = 9,
+    greedy: bool = False,
+    seconds: dict[int, list[float]] | None = None,
 ) -> dict[int, float]:
     """``v(T)``: time of a forward over T new tokens relative to one token, for T in ``widths``
-    (``greedy``: as greedy steps call it, see :func:`forward_seconds`)."""
+    (``greedy``: as greedy steps call it, see :func:`forward_seconds`).
+
+    ``seconds``: where given, each T's median seconds (1 included) is appended to ``seconds[T]``,
+    so a ratio can be read beside the times it divides (a slower one-token step lowers it).
+    """
     secs = forward_seconds(model, sorted({1, *widths}), context, reps, greedy)
+    if seconds is not None:
+        for t, v in secs.items():
+            seconds.setdefault(t, []).append(v)
     return {t: secs[t] / secs[1] for t in secs}
 
 

@@ -377,13 +377,16 @@ def goals_markdown(checks: list[dict]) -> str:
 
 
 def _verify_samples(by_dtype: dict) -> str:
-    """`` (median of 27 readings through the run, 1.02-1.21)`` for a weight format's verify-cost
-    readings, if recorded (results before session 9 have one reading, taken before the run)."""
+    """`` (median of 27 readings through the run, 1.02-1.21; one token 3.02 ms, five 4.41 ms)`` for
+    a weight format's verify-cost readings, if recorded (results before session 9 have one reading,
+    taken before the run; the median step times are there from session 38 on)."""
     samples = by_dtype.get("verify_cost_ratio_samples")
     if not samples:
         return ""
     every = [samples["before"], *samples.get("during", [])]
-    return f" (median of {len(every)} readings through the run, {min(every):.2f}-{max(every):.2f})"
+    ms = by_dtype.get("verify_step_ms")  # recorded from session 38 on
+    times = f"; one token {ms['1']:.2f} ms, five {ms['5']:.2f} ms" if ms else ""
+    return f" (median of {len(every)} readings through the run, {min(every):.2f}-{max(every):.2f}{times})"
 
 
 def _samples(samples: dict | None) -> str:
