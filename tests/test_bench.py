@@ -84,6 +84,7 @@ def test_bench_writes_results_table_and_plots(tiny_model_folder, prompts_file, t
     ms = results["by_dtype"]["float32"]["verify_step_ms"]
     assert set(ms) == {"1", "5"} and 0 < ms["1"] < ms["5"] * 10
     assert f"one token {ms['1']:.2f} ms, five {ms['5']:.2f} ms" in (out / "results.md").read_text()
+    assert "same output (greedy): every prompt's tokens equal" in (out / "results.md").read_text()
     rows = results["rows"]
     for row in rows:
         assert ROW_FIELDS <= set(row), ROW_FIELDS - set(row)

@@ -73,7 +73,10 @@ def markdown(results: dict) -> str:
         f"same prompts, with its {INTERVAL_LEVEL:.0%} interval in brackets (paired bootstrap over the cell's "
         "prompts, and over their rounds with --repeats); decode: the same after the first token; "
         "predicted: the expected-speedup model "
-        "(decode) from measured acceptance and costs; vs ours: tokens/s over our float32 plain decoding.",
+        "(decode) from measured acceptance and costs; vs ours: tokens/s over our float32 plain decoding; "
+        "same output (greedy): every prompt's tokens equal those of the same engine's plain decoding in the "
+        "same weight format, or, for plain decoding in another weight format or engine, our float32 plain "
+        "decoding's, which a different format need not reproduce.",
         "",
         "| category | method | tok/s | decode tok/s | speedup | decode speedup | predicted | vs ours | "
         "acceptance | accepted/call | same output |",
