@@ -13,7 +13,7 @@ and the logits of the float32 model's own greedy answer are compared position by
 Variants: ``w8a16`` (what verispec runs), ``w8a8`` (per row), ``w8a8-gN`` (per group of N columns, as
 llama.cpp's 8-bit activation blocks of 32), ``smooth-w8a8`` (per row after SmoothQuant's migration of
 activation range into the weights, exact in float, calibrated on this repository's README and engine
-source, never on the prompts scored).
+source, never on the prompts scored; so its figures move a little when those files change).
 
     python benchmarks/activation_quant.py --per-category 3
 """
@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from verispec.bench.prompts import load_prompts, select
+from verispec.models.fast_llama import _quantize_rows
 from verispec.models.loading import load_hf
 from verispec.tokenizers import encode_prompt
 
@@ -34,7 +35,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def quantise(x: torch.Tensor, levels: int, group: int | None = None) -> torch.Tensor:
-    """Round ``x`` ``[..., K]`` to ``levels`` symmetric steps per row (or per ``group`` columns)."""
+    """Round activations ``x`` ``[..., K]`` to ``levels`` symmetric steps per row (or per ``group``
+    columns); the weights go through the int8 format's own ``_quantize_rows``."""
     shape = x.shape
     if group is not None:
         x = x.reshape(*shape[:-1], shape[-1] // group, group)
@@ -124,14 +126,22 @@ def main() -> None:
     for m in linears:
         m.register_forward_pre_hook(quantise_input)
 
-    def restore(smoothed: bool, int8_weights: bool) -> None:
+    def load(params: dict[str, torch.Tensor]) -> None:
         for n, p in model.named_parameters():
-            p.data.copy_(original[n])
+            p.data.copy_(params[n])
+
+    def int8_params(smoothed: bool) -> dict[str, torch.Tensor]:
+        """The parameters with every product's weights as the int8 format holds them (after
+        SmoothQuant's migration if ``smoothed``), made once and reloaded for each prompt."""
+        load(original)
         if smoothed:
             smooth(model, amax, args.alpha)
-        if int8_weights:
-            for m in linears:
-                m.weight.data.copy_(quantise(m.weight.data, 127))
+        for m in linears:
+            codes, scale = _quantize_rows(m.weight.data)  # [N, K] int8, [N]
+            m.weight.data.copy_(codes.float() * scale[:, None])
+        return {n: p.data.clone() for n, p in model.named_parameters()}
+
+    int8 = {smoothed: int8_params(smoothed) for smoothed in (False, True)}
 
     variants: dict[str, tuple[bool, Callable[[torch.Tensor], torch.Tensor]]] = {
         "w8a16": (False, lambda x: quantise(x, 32767)),
@@ -144,13 +154,13 @@ def main() -> None:
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
     for prompt in select(load_prompts(args.prompts), None, args.per_category):
         ids = torch.tensor([encode_prompt(tokenizer, prompt.text, chat=instruct)])  # [1, P]
-        restore(False, False)
+        load(original)
         activation["fn"] = None
         with torch.no_grad():
             seq = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)  # [1, P + n]
             ref = model(seq).logits[0, ids.shape[1] - 1 : -1].log_softmax(-1)  # [n, V]
         for name, (smoothed, fn) in variants.items():
-            restore(smoothed, True)
+            load(int8[smoothed])
             activation["fn"] = fn
             with torch.no_grad():
                 got = model(seq).logits[0, ids.shape[1] - 1 : -1].log_softmax(-1)  # [n, V]

@@ -359,8 +359,8 @@ def run(args: argparse.Namespace) -> int:
         for d, t in targets.items()
     }
     draft_cost: dict[tuple[str, str], float] = {}
-    for d, t in targets.items():
-        step = forward_seconds(t, [1], greedy=sampling.greedy)[1]
+    for d in targets:
+        step = step_seconds[d][1][0]  # the one-token step verify_costs just timed
         copying = lookup_seconds(lookup)
         draft_cost[("prompt-lookup", d)] = copying / step
         if table_lookup is not None:

@@ -387,7 +387,7 @@ def _verify_samples(by_dtype: dict) -> str:
     if not samples:
         return ""
     every = [samples["before"], *samples.get("during", [])]
-    ms = by_dtype.get("verify_step_ms")  # recorded from session 38 on
+    ms = by_dtype.get("verify_step_ms")
     times = f"; one token {ms['1']:.2f} ms, five {ms['5']:.2f} ms" if ms else ""
     return f" (median of {len(every)} readings through the run, {min(every):.2f}-{max(every):.2f}{times})"
 
