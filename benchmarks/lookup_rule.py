@@ -15,6 +15,14 @@ later ones (``--skip 5``).
     python benchmarks/lookup_rule.py replay /tmp/lr_int8.json --cost int8-zen3 --rules 4/1/vote2 \
         --ngrams default
 
+``ceiling`` replays each request with an oracle instead: at every step it drafts exactly the longest
+run of the coming tokens that any piece of the request's own committed text holds, so it bounds what
+any prompt-lookup drafter could reach on these outputs (tokens per target call, decode and
+whole-request speedup at the machine's step costs, and with verification free):
+
+    python benchmarks/lookup_rule.py generate --dtype int8 --skip 0 --per-category 10 --out /tmp/c.json
+    python benchmarks/lookup_rule.py ceiling /tmp/c.json --ks 4,8 --anchors 0,1
+
 ``--ngrams DIR`` (``default``: the table shipped for the default model) adds a column for prompt
 lookup with an n-gram table of the target's answers beside it (:class:`verispec.ngrams.NgramLookup`).
 """
@@ -25,6 +33,7 @@ import argparse
 import json
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from verispec.costs import best_draft_length
@@ -60,8 +69,13 @@ def generate(args: argparse.Namespace) -> None:
     by_cat: dict[str, list] = {}
     for prompt in load_prompts():
         by_cat.setdefault(prompt.category, []).append(prompt)
+    wanted = set(args.categories.split(",")) if args.categories else None
+    warm = encode_prompt(target.tokenizer, "Say hello.", chat=target.instruct)
+    verispec.speculative_generate(target, None, warm, max_new_tokens=8, temperature=0)  # warm-up
     rows = []
     for cat, prompts in by_cat.items():
+        if wanted is not None and cat not in wanted:
+            continue
         for prompt in prompts[args.skip : args.skip + args.per_category]:
             ids = encode_prompt(target.tokenizer, prompt.text, chat=target.instruct)
             out = verispec.speculative_generate(
@@ -73,10 +87,13 @@ def generate(args: argparse.Namespace) -> None:
                     "question_id": prompt.question_id,
                     "prompt": list(ids),
                     "output": out.token_ids,
+                    "seconds": out.stats.seconds,
+                    "prefill_seconds": out.stats.prefill_seconds,
                 }
             )
+    step_costs = getattr(target, "step_cost_prior", None)
     with open(args.out, "w") as f:
-        json.dump({"dtype": args.dtype, "skip": args.skip, "rows": rows}, f)
+        json.dump({"dtype": args.dtype, "skip": args.skip, "step_costs": step_costs, "rows": rows}, f)
 
 
 def replay_one(
@@ -144,9 +161,19 @@ def rules(specs: str) -> dict[str, tuple[Callable[[], PromptLookup | NgramLookup
     return out
 
 
+def cost_curve(name: str, data: dict) -> list[float]:
+    """``COST_CURVES[name]``, or for ``machine`` the curve ``generate`` recorded (the model's
+    ``step_cost_prior``, measured once per machine)."""
+    if name != "machine":
+        return list(COST_CURVES[name])
+    if not data.get("step_costs"):
+        raise SystemExit("this file has no step costs: generate it again, or pick a --cost curve")
+    return list(data["step_costs"])
+
+
 def replay(args: argparse.Namespace) -> None:
     data = json.load(open(args.data))
-    costs = COST_CURVES[args.cost]
+    costs = cost_curve(args.cost, data)
     rules_ = rules(args.rules)
     if args.ngrams:
         table, meta = ngram_table(args.ngrams)
@@ -185,6 +212,95 @@ def replay(args: argparse.Namespace) -> None:
     print(f"{'worst':>15}" + "".join(f"{worst[n]:11.3f}" for n in rules_))
 
 
+def best_copy(full: np.ndarray, at: int, room: int, anchor: int = 0) -> int:
+    """How many of ``full[at : at + room]`` the best copy of the committed text ``full[:at]`` gets
+    right: the longest common prefix of the future with any ``full[j : at]``, ``j < at`` (the source
+    ends where the committed text does). With ``anchor`` = 0 no drafter that copies from the
+    request's own text, however it picks its source, gets more accepted at this step. With
+    ``anchor`` = a, only sources whose a tokens before them equal the committed text's last a
+    tokens count: the best a drafter that needs a match of a tokens could pick."""
+    if room <= 0:
+        return 0
+    alive = np.arange(anchor, at)
+    for a in range(1, anchor + 1):
+        alive = alive[full[alive - a] == full[at - a]]
+    alive = alive[full[alive] == full[at]]
+    n = 0
+    while alive.size and n < room:
+        n += 1
+        if n == room:
+            break
+        alive = alive[alive + n < at]
+        alive = alive[full[alive + n] == full[at + n]]
+    return n
+
+
+def copy_ceiling(
+    prompt: list[int], output: list[int], costs: Sequence[float], k: int, anchor: int = 0
+) -> tuple[float, int]:
+    """Replay one request with an oracle that drafts, at every step, exactly the longest run of the
+    target's coming tokens that some piece of the request's committed text holds (at most ``k``
+    tokens; :func:`best_copy` with ``anchor``), so every drafted token is accepted and no step is
+    wider than what it emits. Returns ``(cost in one-token steps, target calls after the prompt)``;
+    the cost counts the prompt's first token as 1, as :func:`replay_one` does, and a step of w
+    tokens as ``costs[w - 1]`` (extended past its end at its last increment).
+
+    Copying as far as possible at each step needs the fewest target calls: whatever can be copied
+    from position t, all but its first token can be copied from t + 1 (the same source, one on)."""
+    full = np.asarray(list(prompt) + list(output), dtype=np.int64)
+    at, cost, calls = len(prompt) + 1, 1.0, 0
+    while at < len(full):
+        n = best_copy(full, at, min(k, len(full) - at - 1), anchor)
+        cost += costs[n] if n < len(costs) else costs[-1] + (n + 1 - len(costs)) * (costs[-1] - costs[-2])
+        calls += 1
+        at += n + 1
+    return cost, calls
+
+
+def ceiling(args: argparse.Namespace) -> None:
+    """Per anchor and category: tokens per target call of the copy oracle at each k, its decode
+    speedup over plain decoding at the cost curve, and its whole-request speedup with the prompt's
+    measured time (``generate`` records it); ``free``: the whole-request speedup with every step
+    costing one token's, a bound for any drafter of this kind at any verification cost."""
+    data = json.load(open(args.data))
+    costs = cost_curve(args.cost, data)
+    ks = [int(x) for x in args.ks.split(",")]
+    cats = list(dict.fromkeys(r["category"] for r in data["rows"]))
+    print(f"cost curve ({args.cost}): " + " ".join(f"{c:.2f}" for c in costs))
+    for anchor in (int(x) for x in args.anchors.split(",")):
+        where = "any source" if anchor == 0 else f"sources after a {anchor}-token match"
+        print(f"\nanchor {anchor}: {where}")
+        head = f"{'category':>15}{'prompt%':>8}"
+        for k in ks:
+            head += f"{f'k={k} tok/call':>16}{'decode':>8}{'whole':>7}{'free':>7}"
+        print(head)
+        for cat in cats + ["all"]:
+            rows = [r for r in data["rows"] if cat in ("all", r["category"])]
+            print(_ceiling_line(cat, rows, costs, ks, anchor))
+
+
+def _ceiling_line(cat: str, rows: list[dict], costs: Sequence[float], ks: list[int], anchor: int) -> str:
+    """One category's line of :func:`ceiling`'s table."""
+    timed = all("seconds" in r for r in rows)
+    plain = sum(r["seconds"] for r in rows) if timed else 0.0
+    line = f"{cat:>15}"
+    line += f"{100 * sum(r['prefill_seconds'] for r in rows) / plain:8.0f}" if timed else f"{'-':>8}"
+    for k in ks:
+        tokens = calls = 0
+        oracle_steps = whole = free = 0.0
+        for r in rows:
+            cost, n_calls = copy_ceiling(r["prompt"], r["output"], costs, k, anchor)
+            steps = len(r["output"]) - 1
+            tokens, calls, oracle_steps = tokens + steps, calls + n_calls, oracle_steps + cost - 1.0
+            if timed:
+                per_step = (r["seconds"] - r["prefill_seconds"]) / max(1, steps)
+                whole += r["prefill_seconds"] + per_step * (cost - 1.0)
+                free += r["prefill_seconds"] + per_step * n_calls
+        line += f"{tokens / max(1, calls):16.2f}{tokens / max(1e-9, oracle_steps):8.2f}"
+        line += f"{plain / whole:7.2f}{plain / free:7.2f}" if timed else f"{'-':>7}{'-':>7}"
+    return line
+
+
 def ngram_table(where: str):
     """``(table, meta)`` of ``--ngrams``: a folder, or ``default`` for the default model's."""
     if where != "default":
@@ -205,10 +321,11 @@ def main() -> None:
     g.add_argument("--skip", type=int, default=5, help="questions per category the benchmark uses")
     g.add_argument("--per-category", type=int, default=4)
     g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--categories", default=None, help="comma-separated; default all")
     g.add_argument("--out", required=True)
     r = sub.add_parser("replay", help="decode speedup over plain decoding per category, per rule")
     r.add_argument("data")
-    r.add_argument("--cost", choices=sorted(COST_CURVES), default="int8")
+    r.add_argument("--cost", choices=sorted(COST_CURVES) + ["machine"], default="int8")
     r.add_argument("-k", type=int, default=8)
     r.add_argument(
         "--overhead",
@@ -222,8 +339,13 @@ def main() -> None:
     )
     r.add_argument("--adaptive", action="store_true", help="the draft cap adapts from k (as --adaptive does)")
     r.add_argument("--ngrams", default=None, help="also replay lookup with this n-gram table ('default')")
+    c = sub.add_parser("ceiling", help="what the best drafter copying the request's own text could reach")
+    c.add_argument("data")
+    c.add_argument("--cost", choices=sorted(COST_CURVES) + ["machine"], default="machine")
+    c.add_argument("--ks", default="4,8", help="draft caps, comma-separated")
+    c.add_argument("--anchors", default="0,1", help="tokens a source's context must match, comma-separated")
     args = p.parse_args()
-    generate(args) if args.cmd == "generate" else replay(args)
+    {"generate": generate, "replay": replay, "ceiling": ceiling}[args.cmd](args)
 
 
 if __name__ == "__main__":
