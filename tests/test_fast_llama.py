@@ -631,6 +631,22 @@ def test_kernel_rmsnorm_bf16_is_the_norm_rounded_once(hidden: int) -> None:
 
 
 @requires_kernel
+@pytest.mark.parametrize("hidden", [64, 100])
+def test_kernel_rmsnorm_f32_is_the_norm(hidden: int) -> None:
+    """The kernel's ``rmsnorm_f32``: HF's RMSNorm in float32 in one pass, within float32 rounding of
+    the eager norm (the sum of squares is taken in another order)."""
+    from verispec.models.fast_llama import _load_kernel, _rms_norm
+
+    kernel = _load_kernel()
+    gen = torch.Generator().manual_seed(hidden + 1)
+    x = torch.randn(53, hidden, generator=gen) * 3
+    weight = torch.randn(hidden, generator=gen)
+    got = kernel.rmsnorm_f32(x, weight, 1e-5)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    torch.testing.assert_close(got, _rms_norm(x, weight, 1e-5), rtol=2e-6, atol=2e-6)
+
+
+@requires_kernel
 def test_kernel_rope_rows_rotates_the_query_and_key_heads_in_place() -> None:
     """The kernel's ``rope_rows``: HF's rotate-half rotation of each row's first ``heads`` heads at
     its own position of the tables, within float32 rounding; the heads after them untouched."""
@@ -654,18 +670,18 @@ def test_kernel_rope_rows_rotates_the_query_and_key_heads_in_place() -> None:
 
 
 @requires_kernel
-@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
-def test_long_bfloat16_prefill_takes_the_kernels_fused_ops(
-    dtype: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A long prefill in bfloat16 products runs its norms, rotary embeddings and MLP activation
-    through the kernel's fused ops and stays close to eager torch's result."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_long_prefill_takes_the_kernels_fused_ops(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long prefill on the torch path runs its norms, rotary embeddings and MLP activation through
+    the kernel's fused ops (float32 ones for float32 products, bfloat16 for bfloat16 products) and
+    stays close to eager torch's result."""
     import verispec.models.fast_llama as fl
 
     ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(8))
     fast = FastLlama.from_hf(_qwen2(), dtype=dtype, max_batch_size=2)
     fast.kernel_prefill_max = {dtype: 16}
-    fast.prefill_compute = torch.bfloat16
+    compute = None if dtype == "float32" else torch.bfloat16
+    fast.prefill_compute = compute
     module = fl._kernel_module
     calls: list[torch.Tensor] = []
 
@@ -678,23 +694,29 @@ def test_long_bfloat16_prefill_takes_the_kernels_fused_ops(
             return module.swiglu(gu, scale)
 
         def rmsnorm_bf16(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-            norms.append(x)
+            norms.append(torch.bfloat16)
             return module.rmsnorm_bf16(x, weight, eps)
+
+        def rmsnorm_f32(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+            norms.append(torch.float32)
+            return module.rmsnorm_f32(x, weight, eps)
 
         def rope_rows(self, qkv: torch.Tensor, *args: object) -> None:
             ropes.append(qkv)
             module.rope_rows(qkv, *args)
 
-    norms: list[torch.Tensor] = []
+    norms: list[torch.dtype] = []
     ropes: list[torch.Tensor] = []
     monkeypatch.setattr(fl, "_kernel_module", Spy())
     fused = fast.forward(ids)
-    assert len(calls) == 2 and all(c.dtype == torch.bfloat16 and c.shape[0] == 80 for c in calls)
-    assert len(norms) == 4 and len(ropes) == 2  # two norms and one rotation per layer
+    want = compute or torch.float32
+    assert len(calls) == 2 and all(c.dtype == want and c.shape[0] == 80 for c in calls)
+    assert norms == [want] * 4 and len(ropes) == 2  # two norms and one rotation per layer
     monkeypatch.setattr(fl, "_kernel_module", None)  # the eager activation
     fast.reset(2)
     eager = fast.forward(ids)
-    torch.testing.assert_close(fused, eager, rtol=0.02, atol=0.02)
+    tol = 1e-4 if dtype == "float32" else 0.02
+    torch.testing.assert_close(fused, eager, rtol=tol, atol=tol)
 
 
 @requires_kernel

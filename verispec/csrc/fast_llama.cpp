@@ -2166,23 +2166,25 @@ void swiglu_rows(const T* gu, const float* scale, int64_t M, int64_t I, T* out) 
 
 // The torch path's RMSNorm for long prompts with bfloat16 products: rmsnorm()'s float32 arithmetic
 // (HF's order) per row, rounded to bfloat16 as torch rounds: one pass instead of eager torch's six
-// and the narrowing copy. x [M, H] float32, w [H] float32 -> [M, H] bfloat16.
-at::Tensor rmsnorm_bf16_op(const at::Tensor& x, const at::Tensor& w, double eps) {
+// and the narrowing copy. x [M, H] float32, w [H] float32 -> [M, H] bfloat16 (`rmsnorm_rows_op<bf16>`),
+// or float32 for float32 products (`rmsnorm_rows_op<float>`, eager torch's six passes in one).
+template <typename OT>
+at::Tensor rmsnorm_rows_op(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
               "x must be contiguous float32 [M, H]");
   const int64_t M = x.size(0), H = x.size(1);
   TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == H,
               "weight must be contiguous float32 with ", H, " elements");
-  auto out = at::empty({M, H}, x.options().dtype(at::kBFloat16));
+  auto out = at::empty({M, H}, x.options().dtype(std::is_same_v<OT, bf16> ? at::kBFloat16 : at::kFloat));
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
-  bf16* op = reinterpret_cast<bf16*>(out.data_ptr());
+  OT* op = reinterpret_cast<OT*>(out.data_ptr());
   const float e = static_cast<float>(eps);
   const int64_t H8 = H - H % 8;
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       const float* xm = xp + m * H;
-      bf16* om = op + m * H;
+      OT* om = op + m * H;
       const float r = 1.0f / std::sqrt(sumsq(xm, H) / static_cast<float>(H) + e);
       const __m256 rv = _mm256_set1_ps(r);
       for (int64_t k = 0; k < H8; k += 8)
@@ -3224,7 +3226,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_ready", &amx_ready);
   m.def("swiglu", &swiglu_op, pybind11::arg("gu"), pybind11::arg("scale") = std::nullopt,
         pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("rmsnorm_bf16", &rmsnorm_bf16_op, pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"),
+  m.def("rmsnorm_f32", &rmsnorm_rows_op<float>, pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("rmsnorm_bf16", &rmsnorm_rows_op<bf16>, pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rope_rows", &rope_rows_op, pybind11::arg("qkv"), pybind11::arg("cos"), pybind11::arg("sin"),
         pybind11::arg("pos"), pybind11::arg("heads"), pybind11::call_guard<pybind11::gil_scoped_release>());

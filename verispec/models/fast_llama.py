@@ -334,13 +334,16 @@ def _product(
     return F.linear(x, weight, bias)
 
 
-def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernel: Any) -> torch.Tensor:
+def _norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, kernel: Any, compute: torch.dtype | None = None
+) -> torch.Tensor:
     """:func:`_rms_norm` of ``x`` ``[..., hidden]`` (float32); with ``kernel`` (the compiled module;
-    bfloat16 products on the CPU only) its ``rmsnorm_bf16``, the same arithmetic in one pass,
-    rounded to bfloat16 for the next product."""
+    on the CPU only) its ``rmsnorm_bf16`` for bfloat16 products (``compute``), the same arithmetic
+    in one pass, rounded to bfloat16 for the next product, or ``rmsnorm_f32`` (float32 out)."""
     if kernel is None:
         return _rms_norm(x, weight, eps)
-    flat = kernel.rmsnorm_bf16(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps)  # [rows, hidden]
+    op = kernel.rmsnorm_bf16 if compute == torch.bfloat16 else kernel.rmsnorm_f32
+    flat = op(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps)  # [rows, hidden]
     return flat.view(x.shape)
 
 
@@ -354,11 +357,11 @@ def _swiglu_linear(
     """The SwiGLU MLP's activation ``silu(gate) * up`` of ``gu = x @ wgu.T`` (times ``scale``):
     x ``[..., hidden]``, wgu ``[2 I, hidden]`` (gate rows, then up rows) -> ``[..., I]``.
 
-    With ``kernel`` (the compiled module; bfloat16 products on the CPU only), the kernel's
-    ``swiglu`` applies the scale, the activation and the product in one pass over the bfloat16
-    products and returns them in bfloat16, the next product's input (eager torch made five passes
-    and two float32 copies: a long int8 prefill spent about a fifth of its time there). Otherwise
-    the float32 result, as :func:`_linear` gives it.
+    With ``kernel`` (the compiled module; on the CPU only), the kernel's ``swiglu`` applies the
+    scale, the activation and the product in one pass over the products and returns them in their
+    dtype: bfloat16 for bfloat16 products, the next product's input (eager torch made five passes
+    and two float32 copies: a long int8 prefill spent about a fifth of its time there), float32 for
+    float32 ones. Otherwise the float32 result, as :func:`_linear` gives it.
     """
     if kernel is not None:
         gu = _product(x, wgu, compute)  # [..., 2 I] bfloat16
@@ -1249,10 +1252,14 @@ class FastLlama:
         ``compute``: the dtype of the matrix products (see ``_linear``) and of attention's inputs
         (SDPA accumulates in float32); None keeps float32. Norms, rotary embeddings and the SwiGLU
         activation compute in float32 either way, the residual stream and the KV cache stay in
-        theirs. With bfloat16 products on the CPU and the kernel loaded, those three run as the
-        kernel's fused ops (``rmsnorm_bf16``, ``rope_rows``, ``swiglu``): one pass each instead of
-        eager torch's five to seven, their outputs rounded to bfloat16 once for the next product
-        (a 769-token prompt, int8, 10 alternating rounds on the Xeon: median 985 -> 833 ms).
+        theirs. On the CPU with the kernel loaded, those three run as the kernel's fused ops
+        (``rmsnorm_bf16`` or ``rmsnorm_f32``, ``rope_rows``, ``swiglu``): one pass each instead of
+        eager torch's five to seven. With bfloat16 products their outputs are rounded to bfloat16
+        once for the next product (a 769-token prompt, int8, 10 alternating rounds on the Xeon:
+        median 985 -> 833 ms); with float32 products they stay float32 (session 39, the Xeon, five
+        Spec-Bench prompts of 656-1334 tokens, median of 3: 653-1406 ms against 702-1519, about 7%
+        less; the logits moved from bitwise HF's to within 2e-4 of them, as close as the kernel's
+        own prompts of up to 500 tokens are).
         ``offsets`` ``[n, T]``: a tree of drafts (see ``forward``).
         With ``record_hidden``, keeps the final residual stream ``[n, T, hidden]`` in ``last_hidden``.
         """
@@ -1260,9 +1267,9 @@ class FastLlama:
         n, T = ids.shape
         Hq, Hkv, D = self._n_heads, self._n_kv, self._head_dim
         dev = self.device
-        # The kernel's fused element-wise ops (norms, rotary embeddings, SwiGLU), for bfloat16
-        # products on the CPU; float32 products keep eager torch's ops, which HF's model runs.
-        fused = self._kernel is not None and compute == torch.bfloat16 and dev.type == "cpu"
+        # The kernel's fused element-wise ops (norms, rotary embeddings, SwiGLU) on the CPU, in
+        # float32 as HF's model computes them, one pass each instead of eager torch's five to seven.
+        fused = self._kernel is not None and dev.type == "cpu"
         kernel = _kernel_module if fused else None  # None: eager torch
         pos = (starts[:, None] + torch.arange(T)).to(dev)  # [n, T] cache positions
         rope = pos if offsets is None else (starts[:, None] + offsets).to(dev)  # [n, T]
@@ -1291,7 +1298,7 @@ class FastLlama:
                     for m in _LAYER_MATRICES
                 }
                 layer = {**layer, **rows}
-            h = _norm(x, layer["in_norm"], self._eps, kernel)
+            h = _norm(x, layer["in_norm"], self._eps, kernel, compute)
             # [n, T, (Hq + 2 Hkv) D]
             qkv = _linear(h, layer["wqkv"], layer["bqkv"], layer["wqkv_scale"], compute)
             if kernel is not None:  # queries and keys rotated in place, in one pass
@@ -1322,7 +1329,7 @@ class FastLlama:
             )  # [n, Hq, T, D]
             att = att.transpose(1, 2).reshape(n, T, Hq * D)
             x = x + _linear(att, layer["wo"], layer["bo"], layer["wo_scale"], compute)
-            h = _norm(x, layer["post_norm"], self._eps, kernel)
+            h = _norm(x, layer["post_norm"], self._eps, kernel, compute)
             act = _swiglu_linear(h, layer["wgu"], layer["wgu_scale"], compute, kernel)  # [n, T, I]
             x = x + _linear(act, layer["wdown"], scale=layer["wdown_scale"], compute=compute)
         if self._record_hidden:
