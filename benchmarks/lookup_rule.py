@@ -33,9 +33,9 @@ import argparse
 import json
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 
+from verispec.bench.ceiling import copy_ceiling
 from verispec.costs import best_draft_length
 from verispec.ngrams import NgramLookup, load_table, shipped_table_for
 from verispec.proposers import PromptLookup
@@ -210,51 +210,6 @@ def replay(args: argparse.Namespace) -> None:
             line += f"{tokens / cost:11.3f}"
         print(line)
     print(f"{'worst':>15}" + "".join(f"{worst[n]:11.3f}" for n in rules_))
-
-
-def best_copy(full: np.ndarray, at: int, room: int, anchor: int = 0) -> int:
-    """How many of ``full[at : at + room]`` the best copy of the committed text ``full[:at]`` gets
-    right: the longest common prefix of the future with any ``full[j : at]``, ``j < at`` (the source
-    ends where the committed text does). With ``anchor`` = 0 no drafter that copies from the
-    request's own text, however it picks its source, gets more accepted at this step. With
-    ``anchor`` = a, only sources whose a tokens before them equal the committed text's last a
-    tokens count: the best a drafter that needs a match of a tokens could pick."""
-    if room <= 0:
-        return 0
-    alive = np.arange(anchor, at)
-    for a in range(1, anchor + 1):
-        alive = alive[full[alive - a] == full[at - a]]
-    alive = alive[full[alive] == full[at]]
-    n = 0
-    while alive.size and n < room:
-        n += 1
-        if n == room:
-            break
-        alive = alive[alive + n < at]
-        alive = alive[full[alive + n] == full[at + n]]
-    return n
-
-
-def copy_ceiling(
-    prompt: list[int], output: list[int], costs: Sequence[float], k: int, anchor: int = 0
-) -> tuple[float, int]:
-    """Replay one request with an oracle that drafts, at every step, exactly the longest run of the
-    target's coming tokens that some piece of the request's committed text holds (at most ``k``
-    tokens; :func:`best_copy` with ``anchor``), so every drafted token is accepted and no step is
-    wider than what it emits. Returns ``(cost in one-token steps, target calls after the prompt)``;
-    the cost counts the prompt's first token as 1, as :func:`replay_one` does, and a step of w
-    tokens as ``costs[w - 1]`` (extended past its end at its last increment).
-
-    Copying as far as possible at each step needs the fewest target calls: whatever can be copied
-    from position t, all but its first token can be copied from t + 1 (the same source, one on)."""
-    full = np.asarray(list(prompt) + list(output), dtype=np.int64)
-    at, cost, calls = len(prompt) + 1, 1.0, 0
-    while at < len(full):
-        n = best_copy(full, at, min(k, len(full) - at - 1), anchor)
-        cost += costs[n] if n < len(costs) else costs[-1] + (n + 1 - len(costs)) * (costs[-1] - costs[-2])
-        calls += 1
-        at += n + 1
-    return cost, calls
 
 
 def ceiling(args: argparse.Namespace) -> None:

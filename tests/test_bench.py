@@ -102,6 +102,11 @@ def test_bench_writes_results_table_and_plots(tiny_model_folder, prompts_file, t
             assert row["acceptance_by_position"] is not None
         if row["method"] == "autoregressive":
             assert row["speedup"] == pytest.approx(1.0)
+        # what any lookup could reach on the plain outputs, and any copying drafter (bench.ceiling)
+        if row["method"] == "prompt-lookup":
+            assert 0 < row["lookup_ceiling"] <= row["copy_bound"]
+        else:
+            assert row["lookup_ceiling"] is None and row["copy_bound"] is None
     summ = next(r for r in rows if r["label"] == "prompt-lookup k=3" and r["category"] == "summarization")
     assert summ["prompts"] == 1 and 1 <= summ["new_tokens"] <= 8
     assert summ["speedup_interval"] is None  # one prompt: nothing to resample
@@ -121,6 +126,7 @@ def test_bench_writes_results_table_and_plots(tiny_model_folder, prompts_file, t
     assert any(g.startswith("prompt-lookup k=3 adaptive within 5%") for g in goals)
     table = (out / "results.md").read_text()
     assert "| summarization | prompt-lookup k=2 |" in table
+    assert "(ceiling " in goals["prompt-lookup k=2 >= 2.0x on summarization, coding"]["value"]
     assert "prompt-lookup k=2" in capsys.readouterr().out
 
 

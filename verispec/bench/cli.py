@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from verispec.bench.ceiling import add_copy_ceilings
 from verispec.bench.measure import (
     bandwidth_probe,
     conditional_acceptance,
@@ -411,6 +412,8 @@ def run(args: argparse.Namespace) -> int:
         reference=MethodConfig("autoregressive", dtype=dtypes[0]),
         predict=predict,
     )
+    if sampling.greedy:  # what any prompt lookup could reach on these requests (verispec.bench.ceiling)
+        add_copy_ceilings(rows, configs, [p.category for p in prompts], encoded, results, costs)
 
     runs = [  # every counted run, so that any figure can be recomputed from the file
         {
