@@ -2164,10 +2164,10 @@ void swiglu_rows(const T* gu, const float* scale, int64_t M, int64_t I, T* out) 
   });
 }
 
-// The torch path's RMSNorm for long prompts with bfloat16 products: rmsnorm()'s float32 arithmetic
-// (HF's order) per row, rounded to bfloat16 as torch rounds: one pass instead of eager torch's six
-// and the narrowing copy. x [M, H] float32, w [H] float32 -> [M, H] bfloat16 (`rmsnorm_rows_op<bf16>`),
-// or float32 for float32 products (`rmsnorm_rows_op<float>`, eager torch's six passes in one).
+// The torch path's RMSNorm for long prompts: rmsnorm()'s float32 arithmetic (HF's order) per row in
+// one pass instead of eager torch's six. x [M, H] float32, w [H] float32 -> [M, H] in OT: bfloat16
+// for bfloat16 products (rounded as torch rounds, in place of the narrowing copy too), float32 for
+// float32 products.
 template <typename OT>
 at::Tensor rmsnorm_rows_op(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
