@@ -647,6 +647,51 @@ def test_kernel_rmsnorm_f32_is_the_norm(hidden: int) -> None:
 
 
 @requires_kernel
+@pytest.mark.parametrize("rows", [1, 130, 700])
+def test_kernel_linear_rows_is_the_product_split_by_rows(rows: int) -> None:
+    """The kernel's ``linear_rows``: ``x @ w.T`` with x's rows split over the threads, each block its
+    own product; float32 within float32 rounding, bfloat16 within one rounding of the output."""
+    from verispec.models.fast_llama import _load_kernel
+
+    kernel = _load_kernel()
+    gen = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 96, generator=gen), torch.randn(40, 96, generator=gen)
+    torch.testing.assert_close(kernel.linear_rows(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
+    got = kernel.linear_rows(x.bfloat16(), w.bfloat16())
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 40)
+    want = x.bfloat16().float() @ w.bfloat16().float().T
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=5e-2)
+
+
+@requires_kernel
+def test_long_bfloat16_products_of_few_columns_split_their_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_product`` sends bfloat16 products of at least ``ROWS_SPLIT_FROM`` rows and at most
+    ``ROWS_SPLIT_MOST_COLUMNS`` columns to ``linear_rows``, and no others."""
+    import verispec.models.fast_llama as fl
+
+    module = fl._load_kernel()
+    seen: list[tuple[int, int]] = []
+
+    class Spy:
+        def linear_rows(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            seen.append((x.shape[0], w.shape[0]))
+            return module.linear_rows(x, w)
+
+    monkeypatch.setattr(fl, "_kernel_module", Spy())
+    monkeypatch.setattr(fl, "ROWS_SPLIT_FROM", 8)
+    monkeypatch.setattr(fl, "ROWS_SPLIT_MOST_COLUMNS", 16)
+    x = torch.randn(2, 5, 32)  # 10 rows
+    for w, compute in ((torch.randn(16, 32), torch.bfloat16), (torch.randn(17, 32), torch.bfloat16)):
+        y = fl._product(x, w, compute)
+        assert y.shape == (2, 5, w.shape[0]) and y.dtype == torch.bfloat16
+        want = x.bfloat16().float() @ w.bfloat16().float().T
+        torch.testing.assert_close(y.float(), want, rtol=1e-2, atol=5e-2)
+    fl._product(x[:, :3], torch.randn(16, 32), torch.bfloat16)  # 6 rows: too few
+    fl._product(x, torch.randn(16, 32))  # float32
+    assert seen == [(10, 16)]
+
+
+@requires_kernel
 def test_kernel_rope_rows_rotates_the_query_and_key_heads_in_place() -> None:
     """The kernel's ``rope_rows``: HF's rotate-half rotation of each row's first ``heads`` heads at
     its own position of the tables, within float32 rounding; the heads after them untouched."""

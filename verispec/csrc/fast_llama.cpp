@@ -41,6 +41,7 @@
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
 #include <immintrin.h>
 #include <pybind11/stl.h>
 #include <sys/syscall.h>
@@ -2221,6 +2222,26 @@ void rope_rows_op(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, 
   });
 }
 
+// x [M, K] @ w [N, K]^T -> [M, N] in x's type (w's too), the rows of x split evenly over the
+// threads (blocks of at least 64 rows), each block one at::mm_out on its own thread: oneDNN ran
+// long bfloat16 products of few columns on one thread (ROWS_SPLIT_FROM in fast_llama.py).
+at::Tensor linear_rows_op(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && x.scalar_type() == w.scalar_type(),
+              "x [M, K] and w [N, K] of one type");
+  const int64_t M = x.size(0);
+  auto out = at::empty({M, w.size(0)}, x.options());
+  const at::Tensor wt = w.t();
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), M / 64));
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t m0 = M * p / parts, m1 = M * (p + 1) / parts;
+      at::Tensor block = out.narrow(0, m0, m1 - m0);
+      at::mm_out(block, x.narrow(0, m0, m1 - m0), wt);
+    }
+  });
+  return out;
+}
+
 // The MLP's activation for the torch path's long prompts: [M, 2I] products (bfloat16 or float32,
 // int8 weights' scales not yet applied) -> [M, I] in the same dtype, in one pass instead of
 // eager torch's five (widen, scale, silu, multiply, narrow); see swiglu_rows.
@@ -3224,6 +3245,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("bias"), pybind11::arg("scale"), pybind11::arg("paired") = false,
            pybind11::arg("amx") = false);
   m.def("amx_ready", &amx_ready);
+  m.def("linear_rows", &linear_rows_op, pybind11::arg("x"), pybind11::arg("w"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("swiglu", &swiglu_op, pybind11::arg("gu"), pybind11::arg("scale") = std::nullopt,
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rmsnorm_f32", &rmsnorm_rows_op<float>, pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"),

@@ -319,6 +319,19 @@ def _linear(
     return y if bias is None else y + bias
 
 
+ROWS_SPLIT_MOST_COLUMNS = 768
+ROWS_SPLIT_FROM = 512
+"""bfloat16 products (long prompts) of at most ``ROWS_SPLIT_MOST_COLUMNS`` output columns and at
+least ``ROWS_SPLIT_FROM`` rows go through the kernel's ``linear_rows``: the rows split over the
+threads, one oneDNN call each. oneDNN (torch 2.13, the 2-core Xeon of session 39) ran such
+products on one thread for many row counts. x [M, K] @ [576, K]^T, ms, ``F.linear`` /
+``linear_rows``: K = 576, M = 640 0.33 / 0.20, 769 0.39 / 0.23, 1024 0.51 / 0.29, 2048 0.52 / 0.53;
+K = 1536, M = 500 0.86 / 0.50, 769 1.18 / 0.75, 1200 1.73 / 0.95, 2048 1.56 / 1.60. With more
+columns oneDNN's own threads did better (3072 x 576, M = 769: 1.08 / 1.42), and below 512 rows too
+(M = 400, 576 x 576: 0.13 / 0.17). Whole int8 prompts (SmolLM2-135M, medians of 10 alternating
+rounds): 656 tokens 268 -> 273 ms, 769 304 -> 285, 848 326 -> 301, 1334 515 -> 504."""
+
+
 def _product(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -326,11 +339,23 @@ def _product(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` in ``compute`` (default: x's dtype), no scale applied: ``[..., N]``
-    in that dtype; x ``[..., K]``, weight ``[N, K]`` (converted exactly, as in :func:`_linear`)."""
+    in that dtype; x ``[..., K]``, weight ``[N, K]`` (converted exactly, as in :func:`_linear`).
+    Long bfloat16 products of few columns split their rows over the threads (``ROWS_SPLIT_FROM``)."""
     if compute is not None and compute != x.dtype:
         x = x.to(compute)
     if weight.dtype != x.dtype:
         weight = weight.to(x.dtype)
+    rows = x.numel() // max(1, x.shape[-1])
+    if (
+        bias is None
+        and x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and _kernel_module is not None
+        and weight.shape[0] <= ROWS_SPLIT_MOST_COLUMNS
+        and rows >= ROWS_SPLIT_FROM
+    ):
+        flat = _kernel_module.linear_rows(x.reshape(rows, x.shape[-1]).contiguous(), weight)  # [rows, N]
+        return flat.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 
