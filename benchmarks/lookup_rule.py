@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from verispec.bench.ceiling import copy_ceiling
+from verispec.bench.ceiling import copy_ceiling, oracle_seconds
 from verispec.costs import best_draft_length
 from verispec.ngrams import NgramLookup, load_table, shipped_table_for
 from verispec.proposers import PromptLookup
@@ -248,9 +248,8 @@ def _ceiling_line(cat: str, rows: list[dict], costs: Sequence[float], ks: list[i
             steps = len(r["output"]) - 1
             tokens, calls, oracle_steps = tokens + steps, calls + n_calls, oracle_steps + cost - 1.0
             if timed:
-                per_step = (r["seconds"] - r["prefill_seconds"]) / max(1, steps)
-                whole += r["prefill_seconds"] + per_step * (cost - 1.0)
-                free += r["prefill_seconds"] + per_step * n_calls
+                whole += oracle_seconds(r["seconds"], r["prefill_seconds"], steps, cost - 1.0)
+                free += oracle_seconds(r["seconds"], r["prefill_seconds"], steps, n_calls)
         line += f"{tokens / max(1, calls):16.2f}{tokens / max(1e-9, oracle_steps):8.2f}"
         line += f"{plain / whole:7.2f}{plain / free:7.2f}" if timed else f"{'-':>7}{'-':>7}"
     return line

@@ -70,6 +70,14 @@ def copy_ceiling(
     return cost, calls
 
 
+def oracle_seconds(seconds: float, first_seconds: float, steps: int, oracle_steps: float) -> float:
+    """A plain request's time (``seconds``, ``first_seconds`` of them to the first token, then
+    ``steps`` one-token steps) with its decoding replaced by the oracle's ``oracle_steps`` one-token
+    steps' worth, each at the plain run's mean step time."""
+    per_step = (seconds - first_seconds) / steps if steps > 0 else 0.0
+    return first_seconds + per_step * oracle_steps
+
+
 def _curve(by_width: Mapping[int, float]) -> list[float]:
     """``[v(1), v(2), ...]`` from measured ``{width: cost}``, as far as the widths run without a gap,
     each at least 1 (a wider step that measured cheaper than one token is taken to cost as much)."""
@@ -114,10 +122,9 @@ def add_copy_ceilings(
             anywhere = (i, cfg.dtype, 0, 0)
             if anywhere not in memo:
                 memo[anywhere] = copy_ceiling(prompts[i], run.token_ids, [1.0], len(run.token_ids), anchor=0)
-            steps = len(run.token_ids) - run.first_tokens
-            per_step = (run.seconds - run.first_token_seconds) / steps if steps > 0 else 0.0
+            timing = (run.seconds, run.first_token_seconds, len(run.token_ids) - run.first_tokens)
             plain += run.seconds
-            ceiling += run.first_token_seconds + per_step * (memo[anchored][0] - 1.0)
-            bound += run.first_token_seconds + per_step * memo[anywhere][1]
+            ceiling += oracle_seconds(*timing, memo[anchored][0] - 1.0)
+            bound += oracle_seconds(*timing, memo[anywhere][1])
         if ceiling > 0 and bound > 0:
             row["lookup_ceiling"], row["copy_bound"] = plain / ceiling, plain / bound

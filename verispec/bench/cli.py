@@ -404,16 +404,17 @@ def run(args: argparse.Namespace) -> int:
         between_prompts=between_prompts,
         repeats=args.repeats,
     )
+    categories = [p.category for p in prompts]
     rows = aggregate(
         configs,
-        [p.category for p in prompts],
+        categories,
         results,
         greedy=sampling.greedy,
         reference=MethodConfig("autoregressive", dtype=dtypes[0]),
         predict=predict,
     )
     if sampling.greedy:  # what any prompt lookup could reach on these requests (verispec.bench.ceiling)
-        add_copy_ceilings(rows, configs, [p.category for p in prompts], encoded, results, costs)
+        add_copy_ceilings(rows, configs, categories, encoded, results, costs)
 
     runs = [  # every counted run, so that any figure can be recomputed from the file
         {

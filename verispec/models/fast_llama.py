@@ -345,16 +345,15 @@ def _product(
         x = x.to(compute)
     if weight.dtype != x.dtype:
         weight = weight.to(x.dtype)
-    rows = x.numel() // max(1, x.shape[-1])
     if (
         bias is None
         and x.dtype == torch.bfloat16
         and x.device.type == "cpu"
         and _kernel_module is not None
         and weight.shape[0] <= ROWS_SPLIT_MOST_COLUMNS
-        and rows >= ROWS_SPLIT_FROM
+        and x.numel() >= ROWS_SPLIT_FROM * x.shape[-1]
     ):
-        flat = _kernel_module.linear_rows(x.reshape(rows, x.shape[-1]).contiguous(), weight)  # [rows, N]
+        flat = _kernel_module.linear_rows(x.reshape(-1, x.shape[-1]).contiguous(), weight)  # [rows, N]
         return flat.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
@@ -389,7 +388,7 @@ def _swiglu_linear(
     float32 ones. Otherwise the float32 result, as :func:`_linear` gives it.
     """
     if kernel is not None:
-        gu = _product(x, wgu, compute)  # [..., 2 I] bfloat16
+        gu = _product(x, wgu, compute)  # [..., 2 I] in compute (bfloat16 or float32)
         flat = kernel.swiglu(gu.reshape(-1, gu.shape[-1]), scale)  # [rows, I] bfloat16
         return flat.view(*gu.shape[:-1], -1)
     gate, up = _linear(x, wgu, scale=scale, compute=compute).chunk(2, dim=-1)  # [..., I] each
