@@ -148,3 +148,82 @@ def test_a_compiler_without_amx_still_builds_the_kernel(monkeypatch: pytest.Monk
     monkeypatch.setattr(fast_llama, "compile_kernel", broken)
     with pytest.raises(RuntimeError, match="no compiler"):
         fast_llama._compile_with_fallback(["-O3", "-mavx2"])
+
+
+VNNI_TILES = KERNEL is not None and bool(getattr(KERNEL, "vnni_tiles_ready", lambda: False)())
+requires_vnni_tiles = pytest.mark.skipif(not VNNI_TILES, reason="no AVX-512 VNNI in this build")
+
+
+@requires_vnni_tiles
+@pytest.mark.parametrize(("n", "k"), [(48, 64), (80, 576), (960, 576), (32, 1536)])
+def test_vnni_tile_products_are_bitwise_the_pair_tiles(n: int, k: int) -> None:
+    """``linear(..., vnni_tiles=True)`` (the tiles' layout with ``vpdpbusd``, the high bytes offset
+    by 128) against the pair tiles: groups of 3, 2 and 1 tiles (n = 48, 80, 960, 32), 1-40 input
+    rows (passes of 4 and a shorter last one), zero, NaN and inf rows, weights down to -128, bias,
+    both weight layouts."""
+    kernel = KERNEL.FastLlamaKernel(64, 4, 2, 16, 128, 1e-5)
+    gen = torch.Generator().manual_seed(n + k + 1)
+    w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
+    w[0] = -128  # the largest magnitude the correction 128 * sum(w) can meet
+    scale = torch.rand(n, generator=gen) * 0.01
+    bias = torch.randn(n, generator=gen)
+    for m in (1, 2, 3, 4, 5, 7, 9, 17, 40):
+        x = torch.randn(m, k, generator=gen) * 3
+        x[0] = 0.0
+        x[-1, : k // 2] *= 1e4
+        x[-1, 0] = -x[-1].abs().max()  # q = -32767 at a weight of -128
+        if m >= 5:
+            x[1, 7] = float("nan")
+            x[2, k - 1] = float("inf")
+        for b in (None, bias):
+            want = kernel.linear(x, w, b, scale, paired=False)
+            got = kernel.linear(x, w, b, scale, paired=False, vnni_tiles=True)
+            assert torch.equal(got, want), (m, b is None)
+            assert torch.equal(kernel.linear(x, _pairs(w), b, scale, paired=True, vnni_tiles=True), want)
+
+
+@requires_vnni_tiles
+def test_int8_model_on_vnni_tiles_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the CPU has VNNI and no AMX, an int8 FastLlama also holds its layers' matrices as tiles
+    (not the head's) and multiplies its wide calls there; with the tiles off (the pair tiles) every
+    logit and greedy argmax of a prompt, decoding and verification widths is the same.
+    ``VERISPEC_VNNI_TILES=0`` keeps no second copy."""
+    if AMX:
+        pytest.skip("this machine's int8 tiles run on AMX")
+    model = FastLlama.from_hf(_llama(), dtype="int8")
+    kernel = model._kernel
+    assert kernel is not None and kernel.vnni_tiles() and not kernel.amx()
+    per_layer = (128 + 64 + 256) * 64 + 64 * 128  # wqkv, wo, wgu, wdown: int8, one byte each
+    rows = 128 + 64 + 256 + 64  # and an int32 sum per weight row
+    assert kernel.tile_bytes() == 2 * (per_layer + 4 * rows)
+    ids = torch.randint(0, 320, (1, 60), generator=torch.Generator().manual_seed(9))
+    outs: list[list[torch.Tensor]] = [[], [], []]
+    for (on, width), out in zip(((True, 1), (False, 1), (True, 4)), outs, strict=True):
+        kernel.set_vnni_tiles(on)
+        kernel.set_amx_rows(width)  # 4: narrower calls on the pair tiles, wider on these
+        model.reset(1)
+        out.append(model.forward(ids[:, :20]))
+        pos = 20
+        for t in (1, 2, 5, 9, 17):
+            out.append(model.forward(ids[:, pos : pos + t]))
+            model.truncate([pos])
+            out.append(model.forward(ids[:, pos : pos + t], logits="argmax"))
+            pos += t
+    for a, b, c in zip(*outs, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    monkeypatch.setenv("VERISPEC_VNNI_TILES", "0")
+    off = FastLlama.from_hf(_llama(), dtype="int8")
+    assert not off._kernel.vnni_tiles() and off._kernel.tile_bytes() == 0
+    assert model.weight_bytes() == off.weight_bytes() + kernel.tile_bytes()
+
+
+@requires_kernel
+def test_asking_for_vnni_tiles_without_vnni_is_a_clear_error() -> None:
+    """Float weights never take the tiles; a build without VNNI refuses them."""
+    kernel = KERNEL.FastLlamaKernel(64, 4, 2, 16, 128, 1e-5)
+    x, w = torch.randn(2, 64), torch.randn(16, 64)
+    with pytest.raises(RuntimeError, match="int8"):
+        kernel.linear(x, w, None, None, paired=False, vnni_tiles=True)
+    if not VNNI_TILES:
+        with pytest.raises(RuntimeError, match="VNNI"):
+            kernel.set_vnni_tiles(True)

@@ -810,7 +810,8 @@ inline void quantize_rows_i16(const float* x, int64_t M, int64_t ldx, int64_t K,
 }
 
 // int8 products on AMX tiles (Intel's tile matrix unit; built with -mamx-tile -mamx-int8 where the
-// CPU has them, used where FastLlama asks for it with `set_amx`). The int16 activations of
+// CPU has them, used where FastLlama asks for it with `set_amx`; CPUs with AVX-512 VNNI and no AMX
+// read the same layout with `linear_vnni_tiles`, below). The int16 activations of
 // `quantize_rows_i16` split exactly into bytes, q = 256 * hi + lo with hi = q >> 8 in -128 .. 127
 // and lo = q & 255 in 0 .. 255, so a dot product with int8 weights is 256 * (hi . w) + (lo . w):
 // one signed x signed tile product (TDPBSSD) and one unsigned x signed (TDPBUSD) per 64 columns
@@ -886,12 +887,16 @@ inline void amx_configure(int64_t mc) {
   }
   _tile_loadconfig(&cfg);
 }
+#endif
 
+#if defined(__AVX512F__)
 // Each row of x [M, K] (stride ldx) quantised as `quantize_rows_i16` does (the same scale xs [M] and
 // the same q, element by element), stored as q's high bytes hi (q >> 8) and low bytes lo (q & 255),
-// [M, K] each; K a multiple of 16. One pass less than quantising, then splitting.
+// [M, K] each; K a multiple of 16. One pass less than quantising, then splitting. With
+// `offset_hi`, hi holds (q >> 8) + 128 as an unsigned byte instead (`linear_vnni_tiles`).
 inline void quantize_rows_bytes(const float* x, int64_t M, int64_t ldx, int64_t K, i8* hi, uint8_t* lo,
-                                float* xs) {
+                                float* xs, bool offset_hi = false) {
+  const __m512i flip = _mm512_set1_epi32(offset_hi ? 0x80 : 0);
   for (int64_t m = 0; m < M; ++m) {
     const float* r = x + m * ldx;
     __m512 vmax = _mm512_setzero_ps();
@@ -911,7 +916,8 @@ inline void quantize_rows_bytes(const float* x, int64_t M, int64_t ldx, int64_t 
     const __m512 vinv = _mm512_set1_ps(inv);
     for (int64_t k = 0; k < K; k += 16) {
       const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(r + k), vinv));  // |q| <= 32767
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + m * K + k), _mm512_cvtepi32_epi8(_mm512_srai_epi32(q, 8)));
+      const __m512i h = _mm512_xor_si512(_mm512_srai_epi32(q, 8), flip);  // the low byte: hi, or hi + 128
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + m * K + k), _mm512_cvtepi32_epi8(h));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + m * K + k), _mm512_cvtepi32_epi8(q));
     }
   }
@@ -928,7 +934,9 @@ inline void finish_amx8(__m256i h, __m256i l, double xs, const float* scale, con
   if (accumulate) s = _mm256_add_ps(_mm256_loadu_ps(out), s);
   _mm256_storeu_ps(out, s);
 }
+#endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
 // y[M, N] (+)= (x[M, K] @ w[N, K]^T) * scale[N] + bias with w as tiles (`amx_pack`): `tile_q`'s
 // outputs, bitwise (see above). Threads split pairs of weight tiles; each pair meets every input
 // row (in passes of up to 16) while it sits in L1 / L2, and the first pass prefetches ahead.
@@ -1007,6 +1015,135 @@ void linear_amx(const float* x, int64_t M, int64_t ldx, const i8* wt, int64_t N,
       }
     }
     _tile_release();
+  });
+}
+#endif
+
+// Whether this build multiplies int8 weights held as tiles (`amx_pack`'s layout) with AVX-512 VNNI
+// (`linear_vnni_tiles`): CPUs without AMX but with VNNI (AMD's Zen 4 and Zen 5, Intel's Ice Lake).
+bool vnni_tiles_ready() {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Each weight row's sum over K of the tiles `amx_pack` wrote (N * K bytes): sum[N], exact in int32.
+void tile_row_sums(const i8* tiles, int64_t N, int64_t K, int32_t* sum) {
+  for (int64_t n = 0; n < N; ++n) sum[n] = 0;
+  for (int64_t t = 0; t < N / kAmxRows; ++t)
+    for (int64_t q = 0; q < K / 4; ++q)
+      for (int64_t r = 0; r < kAmxRows; ++r)
+        for (int64_t b = 0; b < 4; ++b) sum[t * kAmxRows + r] += tiles[(t * K / 4 + q) * 64 + r * 4 + b];
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// The tiles' layout read without AMX: a tile of 16 weight rows is [K / 4][16][4] bytes, so its 64
+// bytes at each step of 4 columns are the 16 rows' 4 weights, one 32-bit lane per row, which is
+// what `vpdpbusd` multiplies by 4 unsigned bytes broadcast from an input row, adding the 4 products
+// into each lane. The activations split as for AMX, q = 256 * hi + lo, with hi offset to an unsigned
+// byte (hi + 128, `quantize_rows_bytes`); each lane then holds H = sum (hi + 128) w and L = sum lo w,
+// and hi . w = H - 128 * sum w, with each weight row's sum computed once (`tile_row_sums`). Every
+// one is an exact integer in int32 for K <= 65536 (|H| <= 255 * 128 * K < 2^31), so the outputs are
+// `finish_amx8`'s of the same integers as the AMX and VNNI pair tiles: bitwise theirs.
+//
+// `vnni_tile`: MR input rows against NT tiles (16 NT weight rows), over all of K, in 2 MR NT
+// accumulators; per step of 4 columns, NT loads of weights, 2 MR broadcasts and 2 MR NT `vpdpbusd`.
+// There is no widening and no horizontal sum, which a pair tile (`tile_q2p_z`) pays per 16 columns
+// and per row. `pf`: prefetch the tiles that far ahead (the first pass over them).
+// acc + the 4-byte dot products of u (unsigned) and w (signed) in each 32-bit lane. In inline assembly,
+// as `dot_acc_z`: with the intrinsic GCC moved the accumulators through memory on every step.
+inline __m512i dpbusd(__m512i acc, __m512i u, __m512i w) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(w));
+  return acc;
+}
+
+template <int MR, int NT>
+inline void vnni_tile(const uint8_t* hi, const uint8_t* lo, int64_t K, const i8* w, int64_t stride,
+                      const int32_t* wsum, const float* xs, const float* scale, const float* bias, float* y,
+                      int64_t ldy, bool accumulate, int64_t pf) {
+  __m512i h[MR][NT], l[MR][NT];
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int u = 0; u < NT; ++u) h[i][u] = l[i][u] = _mm512_setzero_si512();
+  for (int64_t k = 0; k < K; k += 4) {
+    __m512i wv[NT];
+#pragma GCC unroll 4
+    for (int u = 0; u < NT; ++u) {
+      const i8* at = w + u * stride + 16 * k;
+      if (pf != 0 && k % 16 == 0) _mm_prefetch(reinterpret_cast<const char*>(at + pf), _MM_HINT_T1);
+      wv[u] = _mm512_loadu_si512(at);
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) {
+      int32_t hv, lv;
+      std::memcpy(&hv, hi + i * K + k, 4);
+      std::memcpy(&lv, lo + i * K + k, 4);
+      const __m512i hb = _mm512_set1_epi32(hv), lb = _mm512_set1_epi32(lv);
+#pragma GCC unroll 4
+      for (int u = 0; u < NT; ++u) {
+        h[i][u] = dpbusd(h[i][u], hb, wv[u]);
+        l[i][u] = dpbusd(l[i][u], lb, wv[u]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int u = 0; u < NT; ++u) {
+    const int64_t j = kAmxRows * u;
+    const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(wsum + j), 7);  // 128 * sum w
+    const float* bj = bias ? bias + j : nullptr;
+    for (int i = 0; i < MR; ++i) {
+      const __m512i d = _mm512_sub_epi32(h[i][u], offset);  // hi . w
+      float* out = y + i * ldy + j;
+      finish_amx8(_mm512_castsi512_si256(d), _mm512_castsi512_si256(l[i][u]), xs[i], scale + j, bj, out,
+                  accumulate);
+      finish_amx8(_mm512_extracti64x4_epi64(d, 1), _mm512_extracti64x4_epi64(l[i][u], 1), xs[i], scale + j + 8,
+                  bj ? bj + 8 : nullptr, out + 8, accumulate);
+    }
+  }
+}
+
+constexpr int kVnniRows = 4;   // input rows per `vnni_tile` pass
+constexpr int kVnniTiles = 3;  // tiles per `vnni_tile` (24 accumulators)
+
+// y[M, N] (+)= (x[M, K] @ w[N, K]^T) * scale[N] + bias with w as tiles (`amx_pack`) and its rows'
+// sums (`tile_row_sums`), on AVX-512 VNNI: `tile_q`'s outputs, bitwise (see above). Threads split
+// groups of kVnniTiles tiles (48 weight rows); each group meets every input row, kVnniRows at a
+// time, while it sits in L1 / L2, and the first pass prefetches ahead (as `linear_amx`).
+void linear_vnni_tiles(const float* x, int64_t M, int64_t ldx, const i8* wt, const int32_t* wsum, int64_t N,
+                       int64_t K, const float* scale, const float* bias, float* y, int64_t ldy, bool accumulate) {
+  thread_local std::vector<float> xs;
+  thread_local std::vector<i8> hi;
+  thread_local std::vector<uint8_t> lo;
+  xs.resize(M);
+  hi.resize(M * K);
+  lo.resize(M * K);
+  quantize_rows_bytes(x, M, ldx, K, hi.data(), lo.data(), xs.data(), true);
+  const float* qs = xs.data();  // the thread_local buffers as this thread holds them, for all threads
+  const uint8_t* hp = reinterpret_cast<const uint8_t*>(hi.data());
+  const uint8_t* lp = lo.data();
+  const int64_t tiles = N / kAmxRows, stride = kAmxRows * K;
+  at::parallel_for(0, (tiles + kVnniTiles - 1) / kVnniTiles, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t t = g * kVnniTiles, nt = std::min<int64_t>(kVnniTiles, tiles - t), j = t * kAmxRows;
+      for (int64_t m = 0; m < M; m += kVnniRows) {
+        const int64_t mr = std::min<int64_t>(kVnniRows, M - m);
+        const int64_t pf = m == 0 ? kAmxPrefetch : 0;
+        with_rows<kVnniRows>(mr, [&](auto R) {
+          constexpr int MR = decltype(R)::value;
+          const auto call = [&](auto T) {
+            vnni_tile<MR, decltype(T)::value>(hp + m * K, lp + m * K, K, wt + t * stride, stride, wsum + j,
+                                              qs + m, scale + j, bias ? bias + j : nullptr, y + m * ldy + j, ldy,
+                                              accumulate, pf);
+          };
+          if (nt == 3) call(std::integral_constant<int, 3>{});
+          else if (nt == 2) call(std::integral_constant<int, 2>{});
+          else call(std::integral_constant<int, 1>{});
+        });
+      }
+    }
   });
 }
 #endif
@@ -2096,7 +2233,8 @@ struct Mat {
   bool paired = false;  // pair-interleaved (kPairChunk)
   at::Tensor q4;  // float32 weights also held as exact 4-bit blocks (`linear_blocks`), or undefined
   at::Tensor q8;  // ... as exact 8-bit blocks, or undefined
-  at::Tensor amx;  // int8 weights also as AMX tiles (`amx_pack`), or undefined
+  at::Tensor tiles;  // int8 weights also as tiles (`amx_pack`), or undefined
+  at::Tensor wsum;   // with tiles on VNNI: each weight row's sum (`tile_row_sums`), int32 [N]
   const float* sc() const { return scale.defined() ? scale.data_ptr<float>() : nullptr; }
 };
 
@@ -2361,13 +2499,21 @@ class FastLlamaKernel {
   // before handing them over.
   void set_paired(bool on) { paired_ = on; }
 
-  // Whether int8 products run on AMX tiles (`linear_amx`) where the matrices have them (`pack_amx`).
+  // Whether int8 products run on AMX tiles (`linear_amx`) where the matrices have them (`pack_tiles`).
   // Raises where the build or the OS has no AMX (`amx_ready`).
   void set_amx(bool on) {
     TORCH_CHECK(!on || amx_ready(), "this build or machine has no AMX int8 tiles");
     amx_ = on;
   }
   bool amx() const { return amx_; }
+
+  // Whether int8 products run on the tiles with AVX-512 VNNI (`linear_vnni_tiles`) where the
+  // matrices have them (`pack_tiles`), on CPUs without AMX. Raises where the build has no VNNI.
+  void set_vnni_tiles(bool on) {
+    TORCH_CHECK(!on || vnni_tiles_ready(), "this build has no AVX-512 VNNI");
+    vnni_tiles_ = on;
+  }
+  bool vnni_tiles() const { return vnni_tiles_; }
 
   // Products of at least `rows` input rows read the tiles (with `set_amx` on), narrower ones the
   // pair-interleaved matrices through the VNNI tiles. On the 2-core Xeon (SmolLM2-135M int8, greedy
@@ -2381,58 +2527,67 @@ class FastLlamaKernel {
   }
   int64_t amx_rows() const { return amx_rows_; }
 
-  // Every layer's matrices and the head: what `pack_amx` may give tiles.
-  std::vector<Mat*> product_mats() {
+  // Every layer's matrices and (with `head`) the head: what `pack_tiles` may give tiles.
+  std::vector<Mat*> product_mats(bool head = true) {
     std::vector<Mat*> out;
     for (Layer& L : layers_)
       for (Mat* m : {&L.wqkv, &L.wo, &L.wgu, &L.wdown}) out.push_back(m);
-    if (head_.w.defined()) out.push_back(&head_);
+    if (head && head_.w.defined()) out.push_back(&head_);
     return out;
   }
 
   // The int8 matrices of `product_mats` that the tiles can take (`amx_shape_ok`).
-  std::vector<Mat*> tile_mats() {
+  std::vector<Mat*> tile_mats(bool head) {
     std::vector<Mat*> fit;
-    for (Mat* m : product_mats())
+    for (Mat* m : product_mats(head))
       if (m->w.scalar_type() == at::kChar && amx_shape_ok(m->w.size(0), m->w.size(1))) fit.push_back(m);
     return fit;
   }
 
-  // A matrix's bytes in `pack_amx`'s buffer: its own, rounded up to a cache line.
+  // A matrix's bytes in `pack_tiles`'s buffer: its own, rounded up to a cache line.
   static int64_t tile_slot(const Mat& m) { return (m.w.numel() + 63) / 64 * 64; }
 
-  // Bytes `pack_amx` needs.
-  int64_t tile_bytes_needed() {
+  // Bytes `pack_tiles` needs.
+  int64_t tile_bytes_needed(bool head) {
     int64_t n = 0;
-    for (Mat* m : tile_mats()) n += tile_slot(*m);
+    for (Mat* m : tile_mats(head)) n += tile_slot(*m);
     return n;
   }
 
-  // Packs the int8 matrices (`tile_mats`; call after the layers and the head are set) as AMX tiles
-  // into `buffer` (contiguous, at least `tile_bytes_needed` bytes; FastLlama gives memory on 2 MB
-  // pages, where streaming it misses the TLB less), or into memory of its own without one. The
-  // weights are then held twice: these and the pair-interleaved ones the other paths read.
-  void pack_amx(std::optional<at::Tensor> buffer) {
-    TORCH_CHECK(amx_ready(), "this build or machine has no AMX int8 tiles");
-    const int64_t need = tile_bytes_needed();
+  // Packs the int8 matrices (`tile_mats`; call after the layers and the head are set) as tiles
+  // (`amx_pack`) into `buffer` (contiguous, at least `tile_bytes_needed` bytes; FastLlama gives
+  // memory on 2 MB pages, where streaming it misses the TLB less), or into memory of its own
+  // without one. The weights are then held twice: these and the pair-interleaved ones the other
+  // paths read. `head`: the head too (AMX; its prompts' last rows are too few for the VNNI tiles).
+  // Where the build has VNNI, each tiled matrix also gets its rows' sums (`tile_row_sums`).
+  void pack_tiles(std::optional<at::Tensor> buffer, bool head) {
+    TORCH_CHECK(amx_ready() || vnni_tiles_ready(), "this build has neither AMX int8 tiles nor AVX-512 VNNI");
+    const int64_t need = tile_bytes_needed(head);
     at::Tensor buf = buffer ? *buffer : at::empty({need}, at::TensorOptions().dtype(at::kByte));
     TORCH_CHECK(buf.is_contiguous() && buf.nbytes() >= static_cast<size_t>(need), "the buffer must be contiguous, of at least ",
                 need, " bytes");
     buf = buf.view(at::kByte).view(-1);
     int64_t at = 0;
-    for (Mat* m : tile_mats()) {
+    for (Mat* m : tile_mats(head)) {
       const int64_t N = m->w.size(0), K = m->w.size(1);
-      m->amx = buf.narrow(0, at, N * K);
-      amx_pack(wptr<i8>(m->w), N, K, m->paired, reinterpret_cast<i8*>(m->amx.data_ptr()));
+      m->tiles = buf.narrow(0, at, N * K);
+      amx_pack(wptr<i8>(m->w), N, K, m->paired, reinterpret_cast<i8*>(m->tiles.data_ptr()));
+      if (vnni_tiles_ready()) {
+        m->wsum = at::empty({N}, at::TensorOptions().dtype(at::kInt));
+        tile_row_sums(wptr<i8>(m->tiles), N, K, m->wsum.data_ptr<int32_t>());
+      }
       at += tile_slot(*m);
     }
   }
 
-  // Bytes of the AMX tiles this object holds (`pack_amx`), beyond the weights it was handed.
+  // Bytes of the tiles this object holds (`pack_tiles`, with their rows' sums), beyond the weights
+  // it was handed.
   int64_t tile_bytes() {
     int64_t n = 0;
-    for (Mat* m : product_mats())
-      if (m->amx.defined()) n += m->amx.nbytes();
+    for (Mat* m : product_mats()) {
+      if (m->tiles.defined()) n += m->tiles.nbytes();
+      if (m->wsum.defined()) n += m->wsum.nbytes();
+    }
     return n;
   }
 
@@ -2698,14 +2853,15 @@ class FastLlamaKernel {
   // [N] for int8 weights only.
   // `paired`: w is pair-interleaved (`paired_ok` must hold), as FastLlama arranges its matrices.
   // `amx`: int8 w is packed as AMX tiles for this call and multiplied there (`linear_amx`).
+  // `vnni_tiles`: likewise, multiplied with AVX-512 VNNI (`linear_vnni_tiles`).
   at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w, std::optional<at::Tensor> bias,
-                       std::optional<at::Tensor> scale, bool paired, bool amx) {
+                       std::optional<at::Tensor> scale, bool paired, bool amx, bool vnni_tiles) {
     TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2);
     check_weight(w, w.size(0), x.size(1));
     TORCH_CHECK(!paired || paired_ok(w.scalar_type(), w.size(0), w.size(1)),
                 "these weights cannot be pair-interleaved");
     check_scale(w, scale);
-    TORCH_CHECK(!amx || w.scalar_type() == at::kChar, "AMX tiles take int8 weights");
+    TORCH_CHECK(!(amx || vnni_tiles) || w.scalar_type() == at::kChar, "tiles take int8 weights");
     if (bias) check_f32(*bias, w.size(0));
     auto y = at::empty({x.size(0), w.size(0)}, x.options());
     const float* b = bias ? bias->data_ptr<float>() : nullptr;
@@ -2723,6 +2879,19 @@ class FastLlamaKernel {
           const at::Tensor tiles = at::empty({N, K}, w.options());
           amx_pack(wptr<i8>(w), N, K, paired, reinterpret_cast<i8*>(tiles.data_ptr()));
           linear_amx(x.data_ptr<float>(), M, K, wptr<i8>(tiles), N, K, s, b, y.data_ptr<float>(), N, false);
+#endif
+          break;
+        }
+        if (vnni_tiles) {
+          TORCH_CHECK(vnni_tiles_ready(), "this build has no AVX-512 VNNI");
+          TORCH_CHECK(amx_shape_ok(N, K), "tiles need N % 16 == 0 and K % 64 == 0, K <= 65536");
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+          const at::Tensor tiles = at::empty({N, K}, w.options());
+          const at::Tensor sums = at::empty({N}, at::TensorOptions().dtype(at::kInt));
+          amx_pack(wptr<i8>(w), N, K, paired, reinterpret_cast<i8*>(tiles.data_ptr()));
+          tile_row_sums(wptr<i8>(tiles), N, K, sums.data_ptr<int32_t>());
+          linear_vnni_tiles(x.data_ptr<float>(), M, K, wptr<i8>(tiles), sums.data_ptr<int32_t>(), N, K, s, b,
+                            y.data_ptr<float>(), N, false);
 #endif
           break;
         }
@@ -2826,14 +2995,23 @@ class FastLlamaKernel {
         return;
       }
     }
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
     if constexpr (std::is_same_v<WT, i8>) {
-      if (amx_ && W.amx.defined() && M >= amx_rows_) {
-        linear_amx(x, M, K, wptr<i8>(W.amx), N, K, W.sc(), bias, y, N, accumulate);
-        return;
+      if (W.tiles.defined() && M >= amx_rows_) {
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
+        if (amx_) {
+          linear_amx(x, M, K, wptr<i8>(W.tiles), N, K, W.sc(), bias, y, N, accumulate);
+          return;
+        }
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+        if (vnni_tiles_ && W.wsum.defined()) {
+          linear_vnni_tiles(x, M, K, wptr<i8>(W.tiles), W.wsum.data_ptr<int32_t>(), N, K, W.sc(), bias, y, N,
+                            accumulate);
+          return;
+        }
+#endif
       }
     }
-#endif
     linear(x, M, K, wptr<WT>(W.w), N, K, W.sc(), bias, y, N, accumulate, W.paired, schedule_);
   }
 
@@ -3181,7 +3359,8 @@ class FastLlamaKernel {
   bool keep_hidden_ = false;
   bool paired_ = false;
   bool amx_ = false;
-  int64_t amx_rows_ = 1;
+  bool vnni_tiles_ = false;
+  int64_t amx_rows_ = 1;  // calls of at least this many rows read the tiles (AMX or VNNI)
   bool kv_half_ = false;  // the caches hold float16, not float32
   int64_t q4_rows_ = kBlockMostRows;  // calls of up to this many tokens read 4-bit blocks (`set_q4`)
   int64_t head_q8_rows_ = kBlockMostRows;  // whole-head logits of up to this many rows read 8-bit blocks
@@ -3215,8 +3394,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_amx_rows", &FastLlamaKernel::set_amx_rows)
       .def("amx_rows", &FastLlamaKernel::amx_rows)
       .def("tile_bytes", &FastLlamaKernel::tile_bytes)
-      .def("tile_bytes_needed", &FastLlamaKernel::tile_bytes_needed)
-      .def("pack_amx", &FastLlamaKernel::pack_amx, pybind11::arg("buffer") = std::nullopt)
+      .def("set_vnni_tiles", &FastLlamaKernel::set_vnni_tiles)
+      .def("vnni_tiles", &FastLlamaKernel::vnni_tiles)
+      .def("tile_bytes_needed", &FastLlamaKernel::tile_bytes_needed, pybind11::arg("head") = true)
+      .def("pack_tiles", &FastLlamaKernel::pack_tiles, pybind11::arg("buffer") = std::nullopt,
+           pybind11::arg("head") = true)
       .def("set_schedule", &FastLlamaKernel::set_schedule, pybind11::arg("two_pair_rows_float"),
            pybind11::arg("two_pair_rows_int8"), pybind11::arg("prefetch_one_row"),
            pybind11::arg("wide_int8_rows"))
@@ -3243,8 +3425,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("last_hidden", &FastLlamaKernel::last_hidden)
       .def("linear", &FastLlamaKernel::linear_op, pybind11::arg("x"), pybind11::arg("w"),
            pybind11::arg("bias"), pybind11::arg("scale"), pybind11::arg("paired") = false,
-           pybind11::arg("amx") = false);
+           pybind11::arg("amx") = false, pybind11::arg("vnni_tiles") = false);
   m.def("amx_ready", &amx_ready);
+  m.def("vnni_tiles_ready", &vnni_tiles_ready);
   m.def("linear_rows", &linear_rows_op, pybind11::arg("x"), pybind11::arg("w"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("swiglu", &swiglu_op, pybind11::arg("gu"), pybind11::arg("scale") = std::nullopt,

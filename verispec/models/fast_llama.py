@@ -65,7 +65,11 @@ decoding steps stay on the VNNI tiles, since switching paths from step to step c
 tiles saved (``schedule.AMX_ROWS`` has the figures). On the 2-core Xeon an int8 prompt of 700
 tokens took 262-275 ms on the tiles against 557-581 on the VNNI tiles. ``VERISPEC_AMX=0`` turns the
 tiles off, ``VERISPEC_AMX_ROWS=N`` sets the width (1: verification too; generation ran slower that
-way there).
+way there). On a CPU with AVX-512 VNNI but no AMX (AMD's Zen 4 and Zen 5; :func:`vnni_tiles_enabled`)
+the layers' int8 matrices are held in the same tile layout and the same wide calls multiply them
+with ``vpdpbusd`` (the kernel's ``linear_vnni_tiles``), bitwise the same outputs: on a 2-core Zen 4
+EPYC a 769-token int8 prompt took 624-675 ms against 767-828 on the pair tiles (session 40).
+``VERISPEC_VNNI_TILES=0`` turns them off.
 
 Cache invariant (see ``base.py``): row ``r`` holds ``lengths[r]`` tokens at positions
 ``0 .. lengths[r] - 1`` of its slice of every ``[B, H_kv, S, D]`` cache; ``truncate`` only lowers the
@@ -190,6 +194,19 @@ def amx_enabled() -> bool:
         return False
     ready = getattr(_load_kernel(), "amx_ready", None)  # None: no kernel, or a build before AMX
     return ready is not None and bool(ready())
+
+
+def vnni_tiles_enabled() -> bool:
+    """Whether int8 models on a CPU without AMX get the AMX tiles' layout for their wide calls,
+    multiplied with AVX-512 VNNI (``FastLlama.amx_rows``; AMD's Zen 4 and Zen 5, Intel's Ice Lake):
+    the kernel was built with VNNI, the CPU has no AMX, and ``VERISPEC_VNNI_TILES`` is not ``0``.
+    The layers' int8 weights are then held twice (pairs and tiles; not the head's)."""
+    if os.environ.get("VERISPEC_VNNI_TILES", "1") == "0":
+        return False
+    kernel = _load_kernel()
+    if kernel is None or bool(getattr(kernel, "amx_ready", lambda: False)()):
+        return False  # where AMX is, its tiles serve (or with VERISPEC_AMX=0, none)
+    return bool(getattr(kernel, "vnni_tiles_ready", lambda: False)())  # False: a build before them
 
 
 AMX_FLAGS = ("-mamx-tile", "-mamx-int8")
@@ -952,8 +969,12 @@ class FastLlama:
             k.set_head_screen(sc["codes"], sc["scale"], sc["wnorm"], sc["resid"])
         k.set_rope(w["cos"], w["sin"])
         if self.dtype == "int8" and amx_enabled():
-            k.pack_amx(huge_page_bytes(int(k.tile_bytes_needed())))  # None: memory of its own
+            k.pack_tiles(huge_page_bytes(int(k.tile_bytes_needed())))  # None: memory of its own
             k.set_amx(True)
+            k.set_amx_rows(self.amx_rows)
+        elif self.dtype == "int8" and vnni_tiles_enabled():
+            k.pack_tiles(huge_page_bytes(int(k.tile_bytes_needed(head=False))), head=False)
+            k.set_vnni_tiles(True)
             k.set_amx_rows(self.amx_rows)
         return k
 
