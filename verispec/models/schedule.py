@@ -415,13 +415,15 @@ tokens, whole-request tokens/s, /tmp/s34/genab.py; plain / lookup with the n-gra
 k = 8): tiles from 1 token 198.2 / 256.1 / 257.1, from 4 (what timing single steps of each width
 had chosen) 222.8 / 250.9 / 256.9, from 10 225.3 / 265.0 / 267.6. Steps repeated at one width
 (/tmp/s34/steady.py, min / median ms): VNNI 1 token 3.24 / 3.59, 5 tokens 5.08 / 5.53; AMX 3.69 /
-4.32 and 5.12 / 5.39; 1 and 5 alternating, 5 on the tiles: 4.58 / 4.72 and 5.68 / 6.39."""
+4.32 and 5.12 / 5.39; 1 and 5 alternating, 5 on the tiles: 4.58 / 4.72 and 5.68 / 6.39. The same
+width serves the tiles a CPU with VNNI and no AMX reads (``linear_vnni_tiles``, session 40): made for
+prompt pieces of 128 rows, four input rows a pass."""
 
 
 def apply_amx(model: Any) -> int:
     """Set from how many tokens a call of ``model`` (a kernel ``FastLlama``) reads its int8
-    matrices' AMX tiles (``amx_rows``) and return it: ``VERISPEC_AMX_ROWS`` if set to a number,
-    else :data:`AMX_ROWS`. Nothing to set (0) without tiles."""
+    matrices' tiles (``amx_rows``; AMX or VNNI) and return it: ``VERISPEC_AMX_ROWS`` if set to a
+    number, else :data:`AMX_ROWS`. Nothing to set (0) without tiles."""
     kernel = model._kernel
     if not bool(getattr(kernel, "tile_bytes", lambda: 0)()):
         return 0
