@@ -193,6 +193,7 @@ def test_int8_model_on_vnni_tiles_gives_the_same_bits(monkeypatch: pytest.Monkey
     model = FastLlama.from_hf(_llama(), dtype="int8")
     kernel = model._kernel
     assert kernel is not None and kernel.vnni_tiles() and not kernel.amx()
+    assert model.amx_rows == kernel.amx_rows() == schedule.VNNI_ROWS  # prompts, not 10-15-row calls
     per_layer = (128 + 64 + 256) * 64 + 64 * 128  # wqkv, wo, wgu, wdown: int8, one byte each
     rows = 128 + 64 + 256 + 64  # and an int32 sum per weight row
     assert kernel.tile_bytes() == 2 * (per_layer + 4 * rows)

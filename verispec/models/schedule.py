@@ -415,15 +415,21 @@ tokens, whole-request tokens/s, /tmp/s34/genab.py; plain / lookup with the n-gra
 k = 8): tiles from 1 token 198.2 / 256.1 / 257.1, from 4 (what timing single steps of each width
 had chosen) 222.8 / 250.9 / 256.9, from 10 225.3 / 265.0 / 267.6. Steps repeated at one width
 (/tmp/s34/steady.py, min / median ms): VNNI 1 token 3.24 / 3.59, 5 tokens 5.08 / 5.53; AMX 3.69 /
-4.32 and 5.12 / 5.39; 1 and 5 alternating, 5 on the tiles: 4.58 / 4.72 and 5.68 / 6.39. The same
-width serves the tiles a CPU with VNNI and no AMX reads (``linear_vnni_tiles``, session 40): made for
-prompt pieces of 128 rows, four input rows a pass."""
+4.32 and 5.12 / 5.39; 1 and 5 alternating, 5 on the tiles: 4.58 / 4.72 and 5.68 / 6.39."""
+
+VNNI_ROWS = 16
+"""The same for the tiles a CPU with VNNI and no AMX reads (``linear_vnni_tiles``, session 40), made
+for prompt pieces of 128 rows, four input rows a pass. Below 16 rows the pair tiles were as fast or
+faster: on the 2-core Zen 4 EPYC, one int8 call after 200 cached tokens, tiles / pair tiles, min /
+median of 12 alternating rounds, ms (/tmp/s40/pfm.py): 10 rows 10.36 / 10.61 and 10.08 / 10.34, 12
+rows 11.39 / 12.11 and 11.25 / 11.57, 16 rows 14.30 / 14.59 and 14.81 / 15.05, 20 rows 17.06 / 17.39
+and 18.65 / 18.95, 36 rows 28.56 / 28.99 and 33.74 / 34.71, 64 rows 49.24 / 50.49 and 59.92 / 61.11."""
 
 
 def apply_amx(model: Any) -> int:
     """Set from how many tokens a call of ``model`` (a kernel ``FastLlama``) reads its int8
     matrices' tiles (``amx_rows``; AMX or VNNI) and return it: ``VERISPEC_AMX_ROWS`` if set to a
-    number, else :data:`AMX_ROWS`. Nothing to set (0) without tiles."""
+    number, else :data:`AMX_ROWS` (AMX) or :data:`VNNI_ROWS`. Nothing to set (0) without tiles."""
     kernel = model._kernel
     if not bool(getattr(kernel, "tile_bytes", lambda: 0)()):
         return 0
@@ -432,7 +438,8 @@ def apply_amx(model: Any) -> int:
         from verispec.config import ConfigError
 
         raise ConfigError(f"{AMX_ENV} must be auto or a number of tokens >= 1; got {value}")
-    value = AMX_ROWS if value is None else value
+    if value is None:
+        value = VNNI_ROWS if bool(getattr(kernel, "vnni_tiles", lambda: False)()) else AMX_ROWS
     model.amx_rows = value
     kernel.set_amx_rows(value)
     return value
