@@ -27,6 +27,27 @@ def _llama() -> LlamaForCausalLM:
     return tiny_llama(320, seed=3, hidden=64, dtype=torch.float32)
 
 
+def _same_bits_either_way(model: FastLlama, switch, seed: int) -> None:
+    """``switch(on, rows)`` turns a model's tiles on or off and sets from how many rows a call reads
+    them; every logit of a prompt and of decoding and verification widths, and every greedy argmax,
+    must be the same with the tiles on from 1 row, off, and on from 4 rows (narrower calls on the
+    pair tiles, wider on the tiles)."""
+    ids = torch.randint(0, 320, (1, 60), generator=torch.Generator().manual_seed(seed))
+    outs: list[list[torch.Tensor]] = [[], [], []]
+    for (on, rows), out in zip(((True, 1), (False, 1), (True, 4)), outs, strict=True):
+        switch(on, rows)
+        model.reset(1)
+        out.append(model.forward(ids[:, :20]))
+        pos = 20
+        for t in (1, 2, 5, 9, 17):
+            out.append(model.forward(ids[:, pos : pos + t]))
+            model.truncate([pos])
+            out.append(model.forward(ids[:, pos : pos + t], logits="argmax"))
+            pos += t
+    for a, b, c in zip(*outs, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
 def _pairs(w: torch.Tensor) -> torch.Tensor:
     """``w`` ``[N, K]`` int8 pair-interleaved as the kernel holds it: ``[N / 2][K / 16][2][16]``."""
     n, k = w.shape
@@ -67,21 +88,12 @@ def test_int8_model_on_amx_tiles_gives_the_same_bits() -> None:
     assert kernel is not None and kernel.amx()
     per_layer = (128 + 64 + 256) * 64 + 64 * 128  # wqkv, wo, wgu, wdown: int8, one byte each
     assert kernel.tile_bytes() == 2 * per_layer + 320 * 64  # and the head; not the embedding's rows
-    ids = torch.randint(0, 320, (1, 60), generator=torch.Generator().manual_seed(8))
-    outs: list[list[torch.Tensor]] = [[], [], []]
-    for (on, rows), out in zip(((True, 1), (False, 1), (True, 4)), outs, strict=True):
+
+    def switch(on: bool, rows: int) -> None:
         kernel.set_amx(on)
-        kernel.set_amx_rows(rows)  # 4: narrower calls on the VNNI tiles, wider on the AMX ones
-        model.reset(1)
-        out.append(model.forward(ids[:, :20]))
-        pos = 20
-        for t in (1, 2, 5, 9, 17):
-            out.append(model.forward(ids[:, pos : pos + t]))
-            model.truncate([pos])
-            out.append(model.forward(ids[:, pos : pos + t], logits="argmax"))
-            pos += t
-    for a, b, c in zip(*outs, strict=True):
-        assert torch.equal(a, b) and torch.equal(a, c)
+        kernel.set_amx_rows(rows)
+
+    _same_bits_either_way(model, switch, seed=8)
 
 
 @requires_amx
@@ -197,21 +209,12 @@ def test_int8_model_on_vnni_tiles_gives_the_same_bits(monkeypatch: pytest.Monkey
     per_layer = (128 + 64 + 256) * 64 + 64 * 128  # wqkv, wo, wgu, wdown: int8, one byte each
     rows = 128 + 64 + 256 + 64  # and an int32 sum per weight row
     assert kernel.tile_bytes() == 2 * (per_layer + 4 * rows)
-    ids = torch.randint(0, 320, (1, 60), generator=torch.Generator().manual_seed(9))
-    outs: list[list[torch.Tensor]] = [[], [], []]
-    for (on, width), out in zip(((True, 1), (False, 1), (True, 4)), outs, strict=True):
+
+    def switch(on: bool, width: int) -> None:
         kernel.set_vnni_tiles(on)
-        kernel.set_amx_rows(width)  # 4: narrower calls on the pair tiles, wider on these
-        model.reset(1)
-        out.append(model.forward(ids[:, :20]))
-        pos = 20
-        for t in (1, 2, 5, 9, 17):
-            out.append(model.forward(ids[:, pos : pos + t]))
-            model.truncate([pos])
-            out.append(model.forward(ids[:, pos : pos + t], logits="argmax"))
-            pos += t
-    for a, b, c in zip(*outs, strict=True):
-        assert torch.equal(a, b) and torch.equal(a, c)
+        kernel.set_amx_rows(width)
+
+    _same_bits_either_way(model, switch, seed=9)
     monkeypatch.setenv("VERISPEC_VNNI_TILES", "0")
     off = FastLlama.from_hf(_llama(), dtype="int8")
     assert not off._kernel.vnni_tiles() and off._kernel.tile_bytes() == 0

@@ -934,6 +934,24 @@ inline void finish_amx8(__m256i h, __m256i l, double xs, const float* scale, con
   if (accumulate) s = _mm256_add_ps(_mm256_loadu_ps(out), s);
   _mm256_storeu_ps(out, s);
 }
+
+// x [M, K] quantised into this thread's buffers by `quantize_rows_bytes`, for the tile products:
+// the pointers stay valid for all threads until this thread's next call.
+struct ByteRows {
+  const float* xs;    // [M]
+  const i8* hi;       // [M, K]
+  const uint8_t* lo;  // [M, K]
+};
+inline ByteRows byte_rows(const float* x, int64_t M, int64_t ldx, int64_t K, bool offset_hi) {
+  thread_local std::vector<float> xs;
+  thread_local std::vector<i8> hi;
+  thread_local std::vector<uint8_t> lo;
+  xs.resize(M);
+  hi.resize(M * K);
+  lo.resize(M * K);
+  quantize_rows_bytes(x, M, ldx, K, hi.data(), lo.data(), xs.data(), offset_hi);
+  return {xs.data(), hi.data(), lo.data()};
+}
 #endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
@@ -942,19 +960,13 @@ inline void finish_amx8(__m256i h, __m256i l, double xs, const float* scale, con
 // row (in passes of up to 16) while it sits in L1 / L2, and the first pass prefetches ahead.
 void linear_amx(const float* x, int64_t M, int64_t ldx, const i8* wt, int64_t N, int64_t K,
                 const float* scale, const float* bias, float* y, int64_t ldy, bool accumulate) {
-  thread_local std::vector<float> xs;
-  thread_local std::vector<i8> hi;
-  thread_local std::vector<uint8_t> lo;
-  xs.resize(M);
-  hi.resize(M * K);
-  lo.resize(M * K);
-  quantize_rows_bytes(x, M, ldx, K, hi.data(), lo.data(), xs.data());
+  const ByteRows rows_q = byte_rows(x, M, ldx, K, false);
   const int64_t passes = (M + kAmxRows - 1) / kAmxRows;
   const int64_t mc = (M + passes - 1) / passes;  // input rows per pass (the last may have fewer)
   const int64_t S = K / kAmxCols, tiles = N / kAmxRows;
-  const float* qs = xs.data();  // the thread_local buffers as this thread holds them, for all threads
-  const i8* hp = hi.data();
-  const uint8_t* lp = lo.data();
+  const float* qs = rows_q.xs;
+  const i8* hp = rows_q.hi;
+  const uint8_t* lp = rows_q.lo;
   at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
     int64_t rows = mc;
     amx_configure(rows);
@@ -1114,16 +1126,10 @@ constexpr int kVnniTiles = 3;  // tiles per `vnni_tile` (24 accumulators)
 // time, while it sits in L1 / L2, and the first pass prefetches ahead (as `linear_amx`).
 void linear_vnni_tiles(const float* x, int64_t M, int64_t ldx, const i8* wt, const int32_t* wsum, int64_t N,
                        int64_t K, const float* scale, const float* bias, float* y, int64_t ldy, bool accumulate) {
-  thread_local std::vector<float> xs;
-  thread_local std::vector<i8> hi;
-  thread_local std::vector<uint8_t> lo;
-  xs.resize(M);
-  hi.resize(M * K);
-  lo.resize(M * K);
-  quantize_rows_bytes(x, M, ldx, K, hi.data(), lo.data(), xs.data(), true);
-  const float* qs = xs.data();  // the thread_local buffers as this thread holds them, for all threads
-  const uint8_t* hp = reinterpret_cast<const uint8_t*>(hi.data());
-  const uint8_t* lp = lo.data();
+  const ByteRows rows_q = byte_rows(x, M, ldx, K, true);
+  const float* qs = rows_q.xs;
+  const uint8_t* hp = reinterpret_cast<const uint8_t*>(rows_q.hi);  // hi + 128
+  const uint8_t* lp = rows_q.lo;
   const int64_t tiles = N / kAmxRows, stride = kAmxRows * K;
   at::parallel_for(0, (tiles + kVnniTiles - 1) / kVnniTiles, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
@@ -2559,7 +2565,7 @@ class FastLlamaKernel {
   // memory on 2 MB pages, where streaming it misses the TLB less), or into memory of its own
   // without one. The weights are then held twice: these and the pair-interleaved ones the other
   // paths read. `head`: the head too (AMX; its prompts' last rows are too few for the VNNI tiles).
-  // Where the build has VNNI, each tiled matrix also gets its rows' sums (`tile_row_sums`).
+  // Without AMX, each tiled matrix also gets its rows' sums (`tile_row_sums`) for the VNNI tiles.
   void pack_tiles(std::optional<at::Tensor> buffer, bool head) {
     TORCH_CHECK(amx_ready() || vnni_tiles_ready(), "this build has neither AMX int8 tiles nor AVX-512 VNNI");
     const int64_t need = tile_bytes_needed(head);
@@ -2572,7 +2578,7 @@ class FastLlamaKernel {
       const int64_t N = m->w.size(0), K = m->w.size(1);
       m->tiles = buf.narrow(0, at, N * K);
       amx_pack(wptr<i8>(m->w), N, K, m->paired, reinterpret_cast<i8*>(m->tiles.data_ptr()));
-      if (vnni_tiles_ready()) {
+      if (!amx_ready()) {  // the VNNI tiles' (`linear_vnni_tiles`); AMX needs no sums
         m->wsum = at::empty({N}, at::TensorOptions().dtype(at::kInt));
         tile_row_sums(wptr<i8>(m->tiles), N, K, m->wsum.data_ptr<int32_t>());
       }
