@@ -19,6 +19,16 @@ def test_faster_keeps_the_default_unless_another_wins_clearly() -> None:
     assert faster({"one-stream": [], "two-stream": []}) == DEFAULT
 
 
+def test_faster_compares_round_by_round() -> None:
+    """One lucky round of the default does not decide: each round's pair of times is compared, and
+    the median of those ratios chooses. Rounds that do not pair up fall back to least times."""
+    one, two = [1.0, 1.0, 1.0, 0.5], [0.9, 0.9, 0.9, 0.95]
+    assert faster({"one-stream": one, "two-stream": two}) == "two-stream"  # least times: one-stream
+    assert faster({"one-stream": [1.0, 0.8, 1.2], "two-stream": [1.02, 0.79, 1.25]}) == DEFAULT
+    assert faster({"one-stream": [1.0, 0.6], "two-stream": [0.9]}) == "one-stream"
+    assert faster({"two-stream": [0.9]}) == "two-stream"
+
+
 class _Kernel:
     def __init__(self) -> None:
         self.schedule = SCHEDULES[DEFAULT]

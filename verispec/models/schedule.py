@@ -44,6 +44,7 @@ import functools
 import json
 import logging
 import os
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -127,7 +128,7 @@ STEP_CONTEXT = 128
 MEASURE_CONTEXT = 64
 """Cached tokens before the calls :func:`measure` and :func:`measure_blocks` time."""
 
-SCHEDULE_KEY = "schedule-v4|"
+SCHEDULE_KEY = "schedule-v5|"
 """Prefix of the cached schedules' keys (:func:`apply`); changed whenever what :func:`measure` times
 changes. v2 (session 33): greedy steps as decoding runs them, with the model's 4-bit blocks and its
 head's int8 screen. Before (no prefix), the float32 matrices alone with the last position's whole
@@ -137,7 +138,11 @@ the head screen's int8 pass: SmolLM2-135M's greedy step at 200 cached tokens, bo
 alternating in one process (8 rounds of 5, min / median, ms), 1 token 6.09 / 6.72 -> 5.63 / 6.26,
 5 tokens 8.70 / 9.47 -> 8.96 / 9.53. v3 (session 34): with the AMX tiles off, since the schedule is
 how the pair-interleaved matrices are read, which int8 steps on the tiles do not. v4 (session 35):
-the schedules also say from how many rows int8 products take the 512-bit tiles."""
+the schedules also say from how many rows int8 products take the 512-bit tiles. v5 (session 40): 12
+rounds instead of 6, compared round by round (:func:`faster`). On the 2-core Zen 4 EPYC, 6 rounds by
+least times had chosen two streams for int8, where greedy steps alternating between the schedules
+(10 rounds of 5 steps, /tmp/s40/sched.py, min / median ms) read one stream 4.25 / 4.55 for one
+token and 5.56 / 5.81 for five, two streams 4.59 / 5.17 and 5.61 / 5.85."""
 MIN_TUNED_BYTES = 64 * 2**20
 """Models whose weights are smaller keep :data:`DEFAULT` untimed: they stay in the caches, where the
 schedules differ by little, and tests build many tiny models."""
@@ -176,19 +181,29 @@ def cpu_name() -> str:
 
 
 def faster(seconds: dict[str, list[float]], margin: float = 0.03) -> str:
-    """The schedule whose least time is lowest; :data:`DEFAULT` unless another beats it by ``margin``
-    (a relative gap smaller than that is not worth trusting to a few rounds)."""
-    best = {name: min(times) for name, times in seconds.items() if times}
-    if not best:
-        return DEFAULT
-    name = min(best, key=best.__getitem__)
-    if DEFAULT in best and best[name] > (1 - margin) * best[DEFAULT]:
-        return DEFAULT
-    return name
+    """:data:`DEFAULT`, unless another schedule beats it by ``margin`` (a relative gap smaller than
+    that is not worth trusting to a few rounds). Each is compared with the default round by round,
+    the median of its time over the default's in the same round (:func:`measure` interleaves them,
+    so a round's two times share the machine's state); where the rounds do not pair up, by least
+    times. The schedule that beats the default by most wins."""
+    base = seconds.get(DEFAULT, [])
+    if not base:
+        named = {name: min(times) for name, times in seconds.items() if times}
+        return min(named, key=named.__getitem__) if named else DEFAULT
+    ratios = {}
+    for name, times in seconds.items():
+        if name == DEFAULT or not times:
+            continue
+        if len(times) == len(base):
+            ratios[name] = statistics.median(t / b for t, b in zip(times, base, strict=True))
+        else:
+            ratios[name] = min(times) / min(base)
+    name = min(ratios, key=ratios.__getitem__, default=DEFAULT)
+    return name if name != DEFAULT and ratios[name] < 1 - margin else DEFAULT
 
 
 @torch.no_grad()
-def measure(model: Any, rounds: int = 6, context: int = MEASURE_CONTEXT) -> dict[str, list[float]]:
+def measure(model: Any, rounds: int = 12, context: int = MEASURE_CONTEXT) -> dict[str, list[float]]:
     """Seconds of a one-token plus a five-token greedy step of ``model`` (a kernel ``FastLlama``)
     after ``context`` tokens, per schedule, the schedules interleaved over ``rounds`` (the first is
     warm-up and not kept). Each step is the call greedy decoding makes (``forward_greedy`` where the
