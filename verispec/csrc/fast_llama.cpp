@@ -1059,11 +1059,7 @@ void tile_row_sums(const i8* tiles, int64_t N, int64_t K, int32_t* sum) {
 // and hi . w = H - 128 * sum w, with each weight row's sum computed once (`tile_row_sums`). Every
 // one is an exact integer in int32 for K <= 65536 (|H| <= 255 * 128 * K < 2^31), so the outputs are
 // `finish_amx8`'s of the same integers as the AMX and VNNI pair tiles: bitwise theirs.
-//
-// `vnni_tile`: MR input rows against NT tiles (16 NT weight rows), over all of K, in 2 MR NT
-// accumulators; per step of 4 columns, NT loads of weights, 2 MR broadcasts and 2 MR NT `vpdpbusd`.
-// There is no widening and no horizontal sum, which a pair tile (`tile_q2p_z`) pays per 16 columns
-// and per row. `pf`: prefetch the tiles that far ahead (the first pass over them).
+
 // acc + the 4-byte dot products of u (unsigned) and w (signed) in each 32-bit lane. In inline assembly,
 // as `dot_acc_z`: with the intrinsic GCC moved the accumulators through memory on every step.
 inline __m512i dpbusd(__m512i acc, __m512i u, __m512i w) {
@@ -1071,6 +1067,10 @@ inline __m512i dpbusd(__m512i acc, __m512i u, __m512i w) {
   return acc;
 }
 
+// MR input rows against NT tiles (16 NT weight rows), over all of K, in 2 MR NT accumulators; per
+// step of 4 columns, NT loads of weights, 2 MR broadcasts and 2 MR NT `vpdpbusd`. There is no
+// widening and no horizontal sum, which a pair tile (`tile_q2p_z`) pays per 16 columns and per row.
+// `pf`: prefetch the tiles that far ahead (the first pass over them).
 template <int MR, int NT>
 inline void vnni_tile(const uint8_t* hi, const uint8_t* lo, int64_t K, const i8* w, int64_t stride,
                       const int32_t* wsum, const float* xs, const float* scale, const float* bias, float* y,
@@ -1138,15 +1138,11 @@ void linear_vnni_tiles(const float* x, int64_t M, int64_t ldx, const i8* wt, con
         const int64_t mr = std::min<int64_t>(kVnniRows, M - m);
         const int64_t pf = m == 0 ? kAmxPrefetch : 0;
         with_rows<kVnniRows>(mr, [&](auto R) {
-          constexpr int MR = decltype(R)::value;
-          const auto call = [&](auto T) {
-            vnni_tile<MR, decltype(T)::value>(hp + m * K, lp + m * K, K, wt + t * stride, stride, wsum + j,
-                                              qs + m, scale + j, bias ? bias + j : nullptr, y + m * ldy + j, ldy,
-                                              accumulate, pf);
-          };
-          if (nt == 3) call(std::integral_constant<int, 3>{});
-          else if (nt == 2) call(std::integral_constant<int, 2>{});
-          else call(std::integral_constant<int, 1>{});
+          with_rows<kVnniTiles>(nt, [&](auto T) {  // the last group may hold fewer tiles
+            vnni_tile<decltype(R)::value, decltype(T)::value>(hp + m * K, lp + m * K, K, wt + t * stride, stride,
+                                                              wsum + j, qs + m, scale + j, bias ? bias + j : nullptr,
+                                                              y + m * ldy + j, ldy, accumulate, pf);
+          });
         });
       }
     }
@@ -2879,26 +2875,27 @@ class FastLlamaKernel {
                paired, schedule_);
         break;
       case at::kChar:
-        if (amx) {
-          TORCH_CHECK(amx_ready(), "this build or machine has no AMX int8 tiles");
+        if (amx || vnni_tiles) {
+          if (amx) {
+            TORCH_CHECK(amx_ready(), "this build or machine has no AMX int8 tiles");
+          } else {
+            TORCH_CHECK(vnni_tiles_ready(), "this build has no AVX-512 VNNI");
+          }
+          const at::Tensor tiles = at::empty({N, K}, w.options());
+          amx_pack(wptr<i8>(w), N, K, paired, reinterpret_cast<i8*>(tiles.data_ptr()));
+          const i8* t = wptr<i8>(tiles);
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
-          const at::Tensor tiles = at::empty({N, K}, w.options());
-          amx_pack(wptr<i8>(w), N, K, paired, reinterpret_cast<i8*>(tiles.data_ptr()));
-          linear_amx(x.data_ptr<float>(), M, K, wptr<i8>(tiles), N, K, s, b, y.data_ptr<float>(), N, false);
+          if (amx) linear_amx(x.data_ptr<float>(), M, K, t, N, K, s, b, y.data_ptr<float>(), N, false);
 #endif
-          break;
-        }
-        if (vnni_tiles) {
-          TORCH_CHECK(vnni_tiles_ready(), "this build has no AVX-512 VNNI");
-          TORCH_CHECK(amx_shape_ok(N, K), "tiles need N % 16 == 0 and K % 64 == 0, K <= 65536");
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-          const at::Tensor tiles = at::empty({N, K}, w.options());
-          const at::Tensor sums = at::empty({N}, at::TensorOptions().dtype(at::kInt));
-          amx_pack(wptr<i8>(w), N, K, paired, reinterpret_cast<i8*>(tiles.data_ptr()));
-          tile_row_sums(wptr<i8>(tiles), N, K, sums.data_ptr<int32_t>());
-          linear_vnni_tiles(x.data_ptr<float>(), M, K, wptr<i8>(tiles), sums.data_ptr<int32_t>(), N, K, s, b,
-                            y.data_ptr<float>(), N, false);
+          if (!amx) {
+            const at::Tensor sums = at::empty({N}, at::TensorOptions().dtype(at::kInt));
+            tile_row_sums(t, N, K, sums.data_ptr<int32_t>());
+            linear_vnni_tiles(x.data_ptr<float>(), M, K, t, sums.data_ptr<int32_t>(), N, K, s, b,
+                              y.data_ptr<float>(), N, false);
+          }
 #endif
+          (void)t;
           break;
         }
         linear(x.data_ptr<float>(), M, K, wptr<i8>(w), N, K, s, b, y.data_ptr<float>(), N, false,

@@ -968,13 +968,14 @@ class FastLlama:
             sc = w["head_screen"]
             k.set_head_screen(sc["codes"], sc["scale"], sc["wnorm"], sc["resid"])
         k.set_rope(w["cos"], w["sin"])
-        if self.dtype == "int8" and amx_enabled():
-            k.pack_tiles(huge_page_bytes(int(k.tile_bytes_needed())))  # None: memory of its own
-            k.set_amx(True)
-            k.set_amx_rows(self.amx_rows)
-        elif self.dtype == "int8" and vnni_tiles_enabled():
-            k.pack_tiles(huge_page_bytes(int(k.tile_bytes_needed(head=False))), head=False)
-            k.set_vnni_tiles(True)
+        amx = self.dtype == "int8" and amx_enabled()
+        if amx or (self.dtype == "int8" and vnni_tiles_enabled()):
+            head = amx  # the VNNI tiles serve prompts, whose head rows are one per request
+            k.pack_tiles(huge_page_bytes(int(k.tile_bytes_needed(head=head))), head=head)  # None: own memory
+            if amx:
+                k.set_amx(True)
+            else:
+                k.set_vnni_tiles(True)
             k.set_amx_rows(self.amx_rows)
         return k
 
