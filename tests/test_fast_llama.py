@@ -181,6 +181,34 @@ def test_short_prefill_in_kernel_pieces_is_bitwise_the_kernel_one_token_at_a_tim
         _close(pieces, _reference(hf, ids))
 
 
+@requires_kernel
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prompt_attention_in_wide_items_is_bitwise_one_token_at_a_time(dtype: str, threads: int) -> None:
+    """A long call's attention takes its queries in wide items (on AVX-512 CPUs the keys and values
+    of each block widened once for groups of up to six queries); a 155-token prompt of SmolLM2's
+    attention shape in one call gives bitwise the logits of feeding it one token at a time (items
+    of 93 queries: whole groups and a group of three; causal ends inside every 8-key group; a float32
+    cache read in place, a float16 one widened)."""
+    hf = _mistral(head_dim=64, num_attention_heads=6, max_position_embeddings=256, sliding_window=256)
+    T = 155
+    ids = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(21))
+    fast = FastLlama.from_hf(hf, max_batch_size=2, dtype=dtype, use_kernel=True)
+    fast.kernel_prefill_max = {dtype: 1024}
+    fast.kernel_prefill_piece = 256  # the whole prompt in one call
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        whole = fast.forward(ids)
+        fast.reset(2)
+        steps = torch.cat([fast.forward(ids[:, t : t + 1]) for t in range(T)], dim=1)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(whole, steps)
+    if dtype == "float32":
+        _close(whole, _reference(hf, ids))
+
+
 @pytest.mark.parametrize("use_kernel", PATHS)
 def test_truncate_then_refeed_gives_fresh_logits(use_kernel: bool) -> None:
     hf = _llama()

@@ -2035,7 +2035,7 @@ inline void weighted_queries(const float* const* p, const KT* v, int64_t j0, int
                              float* const* out) {
   constexpr int64_t D = kGroupedHeadDim;
   __m512 a[QN][4];
-#pragma GCC unroll 4
+#pragma GCC unroll 6
   for (int x = 0; x < QN; ++x)
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) a[x][i] = _mm512_loadu_ps(out[x] + 16 * i);
@@ -2044,14 +2044,14 @@ inline void weighted_queries(const float* const* p, const KT* v, int64_t j0, int
     __m512 r[4];
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) r[i] = load16z(row + 16 * i);
-#pragma GCC unroll 4
+#pragma GCC unroll 6
     for (int x = 0; x < QN; ++x) {
       const __m512 pj = _mm512_set1_ps(p[x][j]);
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) a[x][i] = _mm512_fmadd_ps(pj, r[i], a[x][i]);
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 6
   for (int x = 0; x < QN; ++x)
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) _mm512_storeu_ps(out[x] + 16 * i, a[x][i]);
@@ -2228,6 +2228,116 @@ inline void block_weighted(int64_t n, int64_t j0, const KT* V, int64_t D, int64_
   for (; a < n; ++a)
     if (end(a, j0) > j0) weighted_rows(p + a * S, V, j0, end(a, j0), D, out(a));
 }
+
+#if defined(__AVX512F__)
+// Wide items (prompt pieces, wide verifications): an item's queries go through each block of keys
+// in groups of up to kWideQueries, and the block's keys and values are widened to float32 once for
+// all of them (`widen_key_pairs`, `widen_rows`) instead of once per group. The registers each
+// score and each output element accumulate in are those of `dot8_queries` and `weighted_queries`,
+// with the same operations in the same order, so every result is bitwise the same. Only items of
+// prompt pieces and wide batches are that wide: below about 30 queries widening a block cost more
+// than it saved (ms in attention at 300 cached tokens, without / with: 16 tokens 2.97 / 3.09, 32
+// tokens 5.99 / 5.74; a 5-token step's items, of 6 queries, were slower too).
+// SmolLM2-135M int8 on the 2-core Zen 4 EPYC, two builds alternating (/tmp/s41/attab.py, min /
+// median of 10, ms in attention per 128-token piece): 25.7 / 28.9 -> 22.9 / 24.4 at 300 cached
+// tokens, 47.3 / 54.4 -> 41.6 / 45.2 at 640; a 769-token prompt 726 / 764 -> 707 / 723.
+constexpr int kWideQueries = 6;           // queries per group: 24 accumulators
+constexpr int64_t kWideItemQueries = 32;  // items of at least this many queries take this path
+
+// Keys k[0 .. 8 * groups) (rows of 64 values), widened into dst in the order `dot8_queries` loads
+// them: per 8 keys and per 8 values d, four registers [key 2i: values d .. d + 7 | key 2i + 1: the
+// same], 512 floats per 8 keys.
+template <typename KT>
+inline void widen_key_pairs(const KT* k, int64_t groups, float* dst) {
+  constexpr int64_t D = kGroupedHeadDim;
+  for (int64_t g = 0; g < groups; ++g, k += 8 * D)
+    for (int64_t d = 0; d < D; d += 8)
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i, dst += 16)
+        _mm512_storeu_ps(dst, load8_pair(k + 2 * i * D + d, k + (2 * i + 1) * D + d));
+}
+
+// Rows v[0 .. rows) of 64 values widened to float32 into dst, in the same order.
+template <typename KT>
+inline void widen_rows(const KT* v, int64_t rows, float* dst) {
+  for (int64_t o = 0; o < rows * kGroupedHeadDim; o += 16) _mm512_storeu_ps(dst + o, load16z(v + o));
+}
+
+// dot8_queries over 8 keys widened by widen_key_pairs (kp: their 512 floats).
+template <int QN>
+inline void dot8_queries_wide(const float* const* q, const float* kp, float* const* out) {
+  constexpr int64_t D = kGroupedHeadDim;
+  __m512 a[QN][4];
+#pragma GCC unroll 6
+  for (int x = 0; x < QN; ++x)
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) a[x][i] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+  for (int64_t d = 0; d < D; d += 8) {
+    __m512 kk[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) kk[i] = _mm512_loadu_ps(kp + 8 * d + 16 * i);
+#pragma GCC unroll 6
+    for (int x = 0; x < QN; ++x) {
+      const __m512 qv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(q[x] + d))));
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) a[x][i] = _mm512_fmadd_ps(qv, kk[i], a[x][i]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int x = 0; x < QN; ++x) hsum8_pairs(a[x], out[x]);
+}
+
+// block_scores for a wide item, the block's keys j0 .. j0 + 8 * groups - 1 widened in kp: groups of
+// queries share each widened key over the keys all of them attend to, in whole 8s; each query's
+// other keys go through `scores`, from the cache. Every score is dot()'s.
+template <typename KT, typename Query, typename End>
+inline void block_scores_wide(int64_t n, int64_t j0, const KT* K, const float* kp, int64_t S,
+                              const Query& query, const End& end, float* p) {
+  constexpr int64_t D = kGroupedHeadDim;
+  for (int64_t a = 0; a < n;) {
+    const int64_t take = std::min<int64_t>(kWideQueries, n - a);
+    int64_t e = end(a, j0);
+    for (int64_t x = 1; x < take; ++x) e = std::min(e, end(a + x, j0));
+    const int64_t common = e > j0 ? j0 + (e - j0) / 8 * 8 : j0;
+    const float* q[kWideQueries];
+    float* o[kWideQueries];
+    for (int64_t x = 0; x < take; ++x) q[x] = query(a + x);
+    for (int64_t j = j0; j < common; j += 8) {
+      for (int64_t x = 0; x < take; ++x) o[x] = p + (a + x) * S + j;
+      with_rows<kWideQueries>(take, [&](auto QN) { dot8_queries_wide<QN>(q, kp + (j - j0) * D, o); });
+    }
+    for (int64_t x = 0; x < take; ++x)
+      if (end(a + x, j0) > common) scores(q[x], K, common, end(a + x, j0), D, p + (a + x) * S);
+    a += take;
+  }
+}
+
+// block_weighted for a wide item, the block's values j0 .. j0 + rows - 1 widened in vs: groups of
+// queries share each widened row over the rows all of them attend to; each query's other rows go
+// through `weighted_rows`, from the cache. Each output element is the same fma chain.
+template <typename KT, typename End, typename Out>
+inline void block_weighted_wide(int64_t n, int64_t j0, const KT* V, const float* vs, int64_t S,
+                                const float* p, const End& end, const Out& out) {
+  constexpr int64_t D = kGroupedHeadDim;
+  for (int64_t a = 0; a < n;) {
+    const int64_t take = std::min<int64_t>(kWideQueries, n - a);
+    int64_t common = end(a, j0);
+    for (int64_t x = 1; x < take; ++x) common = std::min(common, end(a + x, j0));
+    common = std::max(common, j0);
+    const float* pp[kWideQueries];
+    float* o[kWideQueries];
+    for (int64_t x = 0; x < take; ++x) {
+      pp[x] = p + (a + x) * S + j0;
+      o[x] = out(a + x);
+    }
+    with_rows<kWideQueries>(take, [&](auto QN) { weighted_queries<QN>(pp, vs, 0, common - j0, o); });
+    for (int64_t x = 0; x < take; ++x)
+      if (end(a + x, j0) > common) weighted_rows(p + (a + x) * S, V, common, end(a + x, j0), D, o[x]);
+    a += take;
+  }
+}
+#endif
 
 // A weight matrix [N, K] and, for int8, its per-row scales [N] (undefined otherwise).
 struct Mat {
@@ -3242,15 +3352,16 @@ class FastLlamaKernel {
   // once per query (a 5-token step over 1000 cached tokens read each row's 1.5 MB of keys and
   // values 15 times per layer). Items hold at most `cap` queries so that every thread gets work,
   // but never fewer than one token's queries of a KV head (its G query heads), and at most
-  // kMaxItemQueries so their score buffers stay small in long prefills. Grouping never changes a
-  // query's arithmetic. One token's KV heads were split 1 + 2 over the threads before, each read by
+  // kMaxItemQueries so their score buffers (n queries by the item's keys) stay in L2 in long
+  // prefills (32 before session 41; 96 lets a prompt piece's wide items widen each block of keys
+  // once for more queries). Grouping never changes a query's arithmetic. One token's KV heads were split 1 + 2 over the threads before, each read by
   // both cores; whole, with the 512-bit groups, one token at 1500 cached tokens took 2-3% less on
   // the Xeon (8 alternating rounds, min: int8 9.97 -> 9.70 ms, float32 26.06 -> 25.29; five tokens
   // unchanged, their items already whole groups; benchmarks/README.md, session 14).
   struct AttnItem {
     int64_t slot, g, begin, end;  // queries_[begin .. end)
   };
-  static constexpr int64_t kMaxItemQueries = 32;
+  static constexpr int64_t kMaxItemQueries = 96;
 
   void plan_attention(int64_t M, const int64_t* sl) {
     const int64_t G = Hq_ / Hkv_, threads = std::max<int64_t>(1, at::get_num_threads());
@@ -3319,38 +3430,63 @@ class FastLlamaKernel {
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
     at::parallel_for(0, static_cast<int64_t>(items_.size()), 1, [&](int64_t i0, int64_t i1) {
       thread_local std::vector<float> pbuf;
+      thread_local std::vector<float> wbuf(JB * kGroupedHeadDim);  // a block's widened keys or values
       for (int64_t i = i0; i < i1; ++i) {
         const AttnItem& it = items_[i];
         const int64_t n = it.end - it.begin;
         const int64_t* qs = queries_.data() + it.begin;
         const KT* K = kc + (it.slot * Hkv_ + it.g) * S * D;
         const KT* V = vc + (it.slot * Hkv_ + it.g) * S * D;
-        pbuf.resize(n * S);
         int64_t cmax = 0;
         for (int64_t a = 0; a < n; ++a) cmax = std::max(cmax, ctx_[qs[a] / Hq_]);
+        const int64_t P = (cmax + 16) / 16 * 16;  // each query's scores: keys 0 .. cmax - 1, then its own
+        pbuf.resize(n * P);
         const int64_t block_bytes = JB * D * static_cast<int64_t>(sizeof(KT));
         const int64_t all_bytes = cmax * D * static_cast<int64_t>(sizeof(KT));
         prefetch_rows(K, V, 0, std::min(block_bytes, all_bytes));
         auto query = [&](int64_t a) { return qkv_.data() + (qs[a] / Hq_) * QKV + (qs[a] % Hq_) * D; };
         auto end = [&](int64_t a, int64_t j0) { return std::min(j0 + JB, ctx_[qs[a] / Hq_]); };
         auto out = [&](int64_t a) { return att_.data() + qs[a] * D; };
+#if defined(__AVX512F__)
+        const bool wide = D == kGroupedHeadDim && n >= kWideItemQueries;
+#else
+        const bool wide = false;
+#endif
         for (int64_t j0 = 0; j0 < cmax; j0 += JB) {
           const int64_t next = (j0 + JB) * D * static_cast<int64_t>(sizeof(KT));
           prefetch_rows(K, V, next, std::min(next + block_bytes, all_bytes));
-          block_scores(n, j0, K, D, S, query, end, pbuf.data());
+#if defined(__AVX512F__)
+          if (wide) {
+            widen_key_pairs(K + j0 * D, (std::min(j0 + JB, cmax) - j0) / 8, wbuf.data());
+            block_scores_wide(n, j0, K, wbuf.data(), P, query, end, pbuf.data());
+            continue;
+          }
+#endif
+          block_scores(n, j0, K, D, P, query, end, pbuf.data());
         }
         for (int64_t a = 0; a < n; ++a) {
           const int64_t m = qs[a] / Hq_, c = ctx_[m];
-          float* p = pbuf.data() + a * S;
+          float* p = pbuf.data() + a * P;
           p[c] = dot(query(a), K + ps[m] * D, D);  // key c is the token's own (K + c * D in a chain)
           const float inv = 1.0f / softmax_numerators(p, c + 1, scale);
           for (int64_t j = 0; j <= c; ++j) p[j] *= inv;
           std::fill_n(out(a), D, 0.0f);
         }
-        for (int64_t j0 = 0; j0 < cmax; j0 += JB) block_weighted(n, j0, V, D, S, pbuf.data(), end, out);
+        for (int64_t j0 = 0; j0 < cmax; j0 += JB) {
+#if defined(__AVX512F__)
+          if (wide) {
+            const float* vs = wbuf.data();
+            if constexpr (std::is_same_v<KT, float>) vs = V + j0 * D;
+            else widen_rows(V + j0 * D, std::min(j0 + JB, cmax) - j0, wbuf.data());
+            block_weighted_wide(n, j0, V, vs, P, pbuf.data(), end, out);
+            continue;
+          }
+#endif
+          block_weighted(n, j0, V, D, P, pbuf.data(), end, out);
+        }
         for (int64_t a = 0; a < n; ++a) {  // the token's own value last: one more row of the chain
           const int64_t m = qs[a] / Hq_;
-          weighted_rows(pbuf.data() + a * S + ctx_[m], V + ps[m] * D, 0, 1, D, out(a));
+          weighted_rows(pbuf.data() + a * P + ctx_[m], V + ps[m] * D, 0, 1, D, out(a));
         }
       }
     });

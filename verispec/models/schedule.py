@@ -76,7 +76,7 @@ where the two paths are close (160 until session 17, when float32 crossed near 4
 PREFILL_LONG = 1024
 """The third length :func:`measure_crossing` times when the kernel still leads at the longest of
 :data:`PREFILL_SIZES` and the lines meet past it (at most the model's ``max_length``)."""
-PREFILL_KEY = "prefill-v13|"
+PREFILL_KEY = "prefill-v14|"
 """Prefix of the cached crossings' keys, changed whenever either path's cost changes so that every
 machine measures again. v3 (session 17): the torch path copies paired matrices in the kernel
 (SmolLM2-135M's layers, float32 62-69 -> 43-49 ms, int8 to bfloat16 37-51 -> 18-20 ms), and the
@@ -97,7 +97,9 @@ the torch path take the kernel's fused norms, rotations and activation too (on t
 of 656-1334 tokens about 7% faster). v12 (session 39): long bfloat16 products of few columns split
 their rows over the threads (int8 prompts of 769-848 tokens 6-8% faster on the torch path). v13
 (session 40): on CPUs with AVX-512 VNNI and no AMX, int8 prompts on the kernel read the layers' tiles
-(``linear_vnni_tiles``; on a Zen 4 EPYC the products of a 128-token piece about 20% faster)."""
+(``linear_vnni_tiles``; on a Zen 4 EPYC the products of a 128-token piece about 20% faster). v14
+(session 41): a prompt piece's attention widens each block of keys and values once for items of up
+to 96 queries (on the Zen 4 EPYC its attention 11-17% faster, a 769-token int8 prompt 3-5%)."""
 PREFILL_LIMITS = (16, 2 * PREFILL_LONG)
 """The crossing :func:`prefill_crossing` returns lies in this range: below the kernel's own call
 size a prompt is one kernel call anyway, and far past the measured lengths (at most twice the
