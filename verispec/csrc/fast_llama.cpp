@@ -1976,6 +1976,149 @@ inline void weighted_rows(const float* p, const KT* v, int64_t j0, int64_t j1, i
     for (int64_t j = j0; j < j1; ++j) out[d] = std::fma(p[j], to_f32(v[j * D + d]), out[d]);
 }
 
+constexpr int64_t kQ4Tile = 16;                         // weight rows per tile
+constexpr int64_t kQ4BlockBytes = 256 + 2 * 16 * 4;     // codes, d, m of one tile's block
+constexpr int kQ4Group = 4;                             // tiles per thread work item
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// Exact 4-bit blocks against int16 activations, in integers (a prototype of an int4 weight format;
+// session 41). A Q4_1 block of 32 weights is d * q + m, q in 0..15 (`_q4_blocks`). With each input
+// row quantised as for int8 weights (x ~= xs * a, a int16 = 256 hi + lo, hi signed, lo unsigned;
+// `quantize_rows_bytes`), a block's contribution is d * (sum q a) + m * (sum a): sum q a = 256 H + L
+// with H = sum q hi and L = sum q lo, both exact in int32, and `vpdpbusd` forms either directly,
+// the codes being valid both as unsigned bytes (H: codes x signed hi) and as signed ones (L:
+// unsigned lo x codes). |sum q a| <= 15 * 32767 * 32 < 2^24 and |sum a| <= 32767 * 32, so both
+// convert to float32 exactly; each output then runs one fma chain over its row's blocks in order
+// (d * S, then m * A, per block) and is scaled by xs once: the same operations for a row whoever
+// shares the call, so the outputs do not depend on how many rows a call holds.
+//
+// Layout (`q4_pack`): weight rows in tiles of 16, tiles in groups of kQ4Group (the last may hold
+// fewer); per tile and block, 256 bytes of codes then d[16] and m[16] (float32): 384 bytes; a group
+// holds its tiles' first blocks, then their second, and so on, so that a pass over it reads one
+// stream from memory. Codes vector j (0..3) holds,
+// per row r, the 4 bytes GGUF packs for the block's columns 4j .. 4j + 3 (low nibbles) and 16 + 4j
+// .. 16 + 4j + 3 (high nibbles), so one `and` gives the 16 rows' 4 codes of one column quad in each
+// 32-bit lane, and a shift and an `and` the other quad.
+constexpr int kQ4Rows = 5;                              // input rows per pass at most
+constexpr int64_t kQ4Prefetch = 16 * 1024;              // the first pass asks for bytes this far ahead
+
+// Tiles for MR input rows at a time: registers 3 MR NT (sums) + 2 NT (codes) + 4 (broadcasts) <= 32.
+constexpr int q4_tiles_for(int mr) { return mr == 1 ? 4 : mr <= 3 ? 2 : 1; }
+
+// MR input rows against NT tiles (tile u's block b at w + b * bstride + u * kQ4BlockBytes).
+template <int MR, int NT>
+inline void q4_tile(const i8* hi, const uint8_t* lo, const float* asum, int64_t K, const uint8_t* w,
+                    int64_t bstride, const float* xs, const float* bias, float* y, int64_t ldy,
+                    bool accumulate, bool prefetch) {
+  const int64_t B = K / 32;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 f[MR][NT];
+#pragma GCC unroll 5
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int u = 0; u < NT; ++u) f[i][u] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* blk = w + b * bstride;
+    if (prefetch)
+      for (int64_t o = 0; o < NT * kQ4BlockBytes; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + kQ4Prefetch + o), _MM_HINT_T0);
+    __m512i h[MR][NT], l[MR][NT];
+#pragma GCC unroll 5
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+      for (int u = 0; u < NT; ++u) h[i][u] = l[i][u] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      __m512i c0[NT], c1[NT];
+#pragma GCC unroll 4
+      for (int u = 0; u < NT; ++u) {
+        const __m512i v = _mm512_loadu_si512(blk + u * kQ4BlockBytes + 64 * j);
+        c0[u] = _mm512_and_si512(v, low4);
+        c1[u] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
+#pragma GCC unroll 5
+      for (int i = 0; i < MR; ++i) {
+        const int64_t at = i * K + 32 * b + 4 * j;
+        int32_t h0, l0, h1, l1;
+        std::memcpy(&h0, hi + at, 4);
+        std::memcpy(&l0, lo + at, 4);
+        std::memcpy(&h1, hi + at + 16, 4);
+        std::memcpy(&l1, lo + at + 16, 4);
+        const __m512i hb0 = _mm512_set1_epi32(h0), lb0 = _mm512_set1_epi32(l0);
+        const __m512i hb1 = _mm512_set1_epi32(h1), lb1 = _mm512_set1_epi32(l1);
+#pragma GCC unroll 4
+        for (int u = 0; u < NT; ++u) {
+          h[i][u] = dpbusd(h[i][u], c0[u], hb0);  // codes (unsigned) x hi (signed)
+          l[i][u] = dpbusd(l[i][u], lb0, c0[u]);  // lo (unsigned) x codes (signed)
+          h[i][u] = dpbusd(h[i][u], c1[u], hb1);
+          l[i][u] = dpbusd(l[i][u], lb1, c1[u]);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int u = 0; u < NT; ++u) {
+      const float* dm = reinterpret_cast<const float*>(blk + u * kQ4BlockBytes + 256);
+      const __m512 d = _mm512_loadu_ps(dm), m = _mm512_loadu_ps(dm + 16);
+#pragma GCC unroll 5
+      for (int i = 0; i < MR; ++i) {
+        const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(h[i][u], 8), l[i][u]);
+        f[i][u] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sum), f[i][u]);
+        f[i][u] = _mm512_fmadd_ps(m, _mm512_set1_ps(asum[i * B + b]), f[i][u]);
+      }
+    }
+  }
+#pragma GCC unroll 5
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int u = 0; u < NT; ++u) {
+      const __m512 b = bias != nullptr ? _mm512_loadu_ps(bias + kQ4Tile * u) : _mm512_setzero_ps();
+      __m512 o = _mm512_fmadd_ps(f[i][u], _mm512_set1_ps(xs[i]), b);
+      float* out = y + i * ldy + kQ4Tile * u;
+      if (accumulate) o = _mm512_add_ps(_mm512_loadu_ps(out), o);
+      _mm512_storeu_ps(out, o);
+    }
+}
+
+// y[M, N] (+)= x[M, K] @ W^T + bias, W [N, K] as exact 4-bit blocks in `q4_pack`'s layout (N % 16 == 0,
+// K % 32 == 0). Threads split groups of kQ4Group tiles; each group meets every input row, up to
+// kQ4Rows at a time, while it sits in L1 / L2; the first pass asks for the next blocks ahead.
+void linear_q4_tiles(const float* x, int64_t M, int64_t ldx, const uint8_t* wt, int64_t N, int64_t K,
+                     const float* bias, float* y, int64_t ldy, bool accumulate) {
+  const ByteRows rows_q = byte_rows(x, M, ldx, K, false);
+  const int64_t B = K / 32, tiles = N / kQ4Tile;
+  thread_local std::vector<float> asum;  // [M, B]: each block's sum of an input row's int16 values
+  asum.resize(M * B);
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t b = 0; b < B; ++b) {
+      int32_t t = 0;
+      for (int64_t k = 32 * b; k < 32 * b + 32; ++k) t += 256 * rows_q.hi[i * K + k] + rows_q.lo[i * K + k];
+      asum[i * B + b] = static_cast<float>(t);
+    }
+  const float* as = asum.data();
+  at::parallel_for(0, (tiles + kQ4Group - 1) / kQ4Group, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t t0 = g * kQ4Group, t1 = std::min<int64_t>(tiles, t0 + kQ4Group);
+      const int64_t bstride = (t1 - t0) * kQ4BlockBytes;  // between a tile's blocks
+      const uint8_t* gw = wt + t0 * B * kQ4BlockBytes;
+      for (int64_t m = 0; m < M; m += kQ4Rows) {
+        const int64_t mr = std::min<int64_t>(kQ4Rows, M - m);
+        with_rows<kQ4Rows>(mr, [&](auto R) {
+          constexpr int NT = q4_tiles_for(decltype(R)::value);
+          for (int64_t t = t0; t < t1; t += NT) {
+            with_rows<NT>(std::min<int64_t>(NT, t1 - t), [&](auto T) {
+              const int64_t j = t * kQ4Tile;
+              q4_tile<decltype(R)::value, decltype(T)::value>(
+                  rows_q.hi + m * K, rows_q.lo + m * K, as + m * B, K, gw + (t - t0) * kQ4BlockBytes, bstride,
+                  rows_q.xs + m,
+                  bias ? bias + j : nullptr, y + m * ldy + j, ldy, accumulate, m == 0);
+            });
+          }
+        });
+      }
+    }
+  });
+}
+#endif
+
 // The head dimension whose queries of one key-value head the attention takes several at a time
 // (AVX-512 below, AVX2 after it); other head dimensions go one query at a time.
 constexpr int64_t kGroupedHeadDim = 64;
@@ -2490,6 +2633,56 @@ at::Tensor linear_rows_op(const at::Tensor& x, const at::Tensor& w) {
     }
   });
   return out;
+}
+
+// `q4_pack`: exact 4-bit blocks (q [N, K / 32, 16] uint8 as GGUF packs them, dm [N, K / 32, 2]
+// float32: d, m) in `linear_q4_tiles`' layout, [N / 16 * K / 32 * 384] uint8.
+at::Tensor q4_pack_op(const at::Tensor& q, const at::Tensor& dm) {
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == 16 && q.scalar_type() == at::kByte && q.is_contiguous(),
+              "q must be contiguous uint8 [N, K / 32, 16]");
+  const int64_t N = q.size(0), B = q.size(1);
+  TORCH_CHECK(N % kQ4Tile == 0, "N must be a multiple of ", kQ4Tile);
+  TORCH_CHECK(dm.scalar_type() == at::kFloat && dm.is_contiguous() && dm.dim() == 3 && dm.size(0) == N &&
+                  dm.size(1) == B && dm.size(2) == 2,
+              "dm must be contiguous float32 [N, K / 32, 2]");
+  auto out = at::empty({N / kQ4Tile * B * kQ4BlockBytes}, q.options());
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float* dp = dm.data_ptr<float>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  const int64_t tiles = N / kQ4Tile;
+  for (int64_t t0 = 0; t0 < tiles; t0 += kQ4Group)
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = t0; t < std::min<int64_t>(tiles, t0 + kQ4Group); ++t, o += kQ4BlockBytes) {
+        float* d = reinterpret_cast<float*>(o + 256);
+        for (int64_t r = 0; r < kQ4Tile; ++r) {
+          const int64_t n = t * kQ4Tile + r;
+          for (int64_t j = 0; j < 4; ++j) std::memcpy(o + 64 * j + 4 * r, qp + (n * B + b) * 16 + 4 * j, 4);
+          d[r] = dp[(n * B + b) * 2];
+          d[kQ4Tile + r] = dp[(n * B + b) * 2 + 1];
+        }
+      }
+  return out;
+}
+
+// y [M, N] = x [M, K] @ W^T (+ bias), W in `q4_pack`'s layout: `linear_q4_tiles`, for tests and
+// measurements (AVX-512 VNNI CPUs only).
+at::Tensor q4_linear_op(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                        const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % 32 == 0 && N % kQ4Tile == 0, "K must be a multiple of 32 and N of ", kQ4Tile);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.numel() == N / kQ4Tile * (K / 32) * kQ4BlockBytes,
+              "packed must be q4_pack's output for [N, K]");
+  if (bias) TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias [N]");
+  auto y = at::empty({M, N}, x.options());
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  linear_q4_tiles(x.data_ptr<float>(), M, K, packed.data_ptr<uint8_t>(), N, K,
+                  bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), N, false);
+#else
+  TORCH_CHECK(false, "q4_linear needs AVX-512 VNNI");
+#endif
+  return y;
 }
 
 // The MLP's activation for the torch path's long prompts: [M, 2I] products (bfloat16 or float32,
@@ -3569,6 +3762,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vnni_tiles_ready", &vnni_tiles_ready);
   m.def("linear_rows", &linear_rows_op, pybind11::arg("x"), pybind11::arg("w"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("q4_pack", &q4_pack_op, pybind11::arg("q"), pybind11::arg("dm"));
+  m.def("q4_linear", &q4_linear_op, pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("n"),
+        pybind11::arg("bias") = std::nullopt, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("swiglu", &swiglu_op, pybind11::arg("gu"), pybind11::arg("scale") = std::nullopt,
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rmsnorm_f32", &rmsnorm_rows_op<float>, pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"),
