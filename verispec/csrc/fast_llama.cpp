@@ -2490,6 +2490,7 @@ struct Mat {
   at::Tensor q8;  // ... as exact 8-bit blocks, or undefined
   at::Tensor tiles;  // int8 weights also as tiles (`amx_pack`), or undefined
   at::Tensor wsum;   // with tiles on VNNI: each weight row's sum (`tile_row_sums`), int32 [N]
+  at::Tensor q4i;    // int4 weights: exact 4-bit blocks in `q4_pack`'s layout (no `w`), or undefined
   const float* sc() const { return scale.defined() ? scale.data_ptr<float>() : nullptr; }
 };
 
@@ -2939,6 +2940,40 @@ class FastLlamaKernel {
     layers_.push_back(std::move(L));
   }
 
+  // A layer of int4 weights: its matrices only as exact 4-bit blocks in `q4_pack`'s layout (uint8),
+  // multiplied in integers by `linear_q4_tiles` in every call. The embedding and head (`set_head`)
+  // are int8, so the kernel runs with int8 weights otherwise.
+  void add_layer_q4(at::Tensor in_norm, at::Tensor wqkv, std::optional<at::Tensor> bqkv, at::Tensor wo,
+                    std::optional<at::Tensor> bo, at::Tensor post_norm, at::Tensor wgu, at::Tensor wdown) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    const int64_t qkv = (Hq_ + 2 * Hkv_) * D_;
+    auto q4 = [](const at::Tensor& t, int64_t n, int64_t k) {
+      TORCH_CHECK(n % kQ4Tile == 0 && k % 32 == 0, "int4 matrices need rows in 16s and columns in 32s");
+      TORCH_CHECK(t.scalar_type() == at::kByte && t.is_contiguous() && t.numel() == n / kQ4Tile * (k / 32) * kQ4BlockBytes,
+                  "an int4 matrix must be q4_pack's output for [", n, ", ", k, "]");
+      Mat m;
+      m.q4i = t;
+      return m;
+    };
+    Layer L;
+    L.wqkv = q4(wqkv, qkv, H_);
+    L.wo = q4(wo, H_, Hq_ * D_);
+    L.wgu = q4(wgu, 2 * I_, H_);
+    L.wdown = q4(wdown, H_, I_);
+    check_f32(in_norm, H_);
+    check_f32(post_norm, H_);
+    if (bqkv) check_f32(*bqkv, qkv);
+    if (bo) check_f32(*bo, H_);
+    L.in_norm = in_norm;
+    L.post_norm = post_norm;
+    L.bqkv = bqkv.value_or(at::Tensor());
+    L.bo = bo.value_or(at::Tensor());
+    layers_.push_back(std::move(L));
+#else
+    TORCH_CHECK(false, "int4 weights need a CPU with AVX-512 VNNI");
+#endif
+  }
+
   // Layer `l`'s matrix `which` (0 wqkv, 1 wo, 2 wgu, 3 wdown), float32, also as exact 4-bit blocks
   // (`linear_blocks`): contiguous uint8, N * K / 32 blocks of 16 bytes of codes and (d, m) as
   // float32, in groups of 8 rows (`Grouped`, FastLlama's `_group_blocks`). The caller has checked
@@ -3302,6 +3337,12 @@ class FastLlamaKernel {
       }
     }
     if constexpr (std::is_same_v<WT, i8>) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+      if (W.q4i.defined()) {
+        linear_q4_tiles(x, M, K, W.q4i.data_ptr<uint8_t>(), N, K, bias, y, N, accumulate);
+        return;
+      }
+#endif
       if (W.tiles.defined() && M >= amx_rows_) {
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
         if (amx_) {
@@ -3719,6 +3760,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<FastLlamaKernel>(m, "FastLlamaKernel", pybind11::module_local())
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double>())
       .def("add_layer", &FastLlamaKernel::add_layer)
+      .def("add_layer_q4", &FastLlamaKernel::add_layer_q4)
       .def("set_head", &FastLlamaKernel::set_head)
       .def("set_paired", &FastLlamaKernel::set_paired)
       .def("set_amx", &FastLlamaKernel::set_amx)

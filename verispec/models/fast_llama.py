@@ -58,6 +58,12 @@ top-1 agreement with float32 at 95.56% against 95.54% with float32 activations (
 40 Spec-Bench prompts). Against float32 on 1292 positions of Spec-Bench prompts, the top-1 token
 agrees at 96.1% (bfloat16: 99.7%), mean KL 0.006 nats (bfloat16: 0.0001). Groups of 32 along K
 would give 97.7% / 0.002 (simulated) at the cost of a multiply per weight vector and 12% more bytes.
+int4 (session 41) is a Q4_1 model's own layer weights, exact: the kernel multiplies their 4-bit
+codes by the same int16 activations in integers, block by block (``linear_q4_tiles``; 6 bits a
+weight), and the embedding and head are int8. On the prompt positions of 39 Spec-Bench prompts
+(7148, the first 3 of each category) its top-1 token agreed with float32's at 98.3% (int8 96.1%),
+mean KL 0.0011 nats (int8 0.0052). It has no torch path: every call runs on the kernel, which needs
+AVX-512 VNNI for it.
 On a CPU with AMX (Intel Xeon since Sapphire Rapids; :func:`amx_enabled`) the kernel also holds the
 int8 matrices as AMX tiles (a second copy of the int8 weights, on 2 MB pages) and multiplies calls
 of at least ``amx_rows`` tokens there, bitwise the same integers. By default those are prompts:
@@ -103,7 +109,7 @@ from verispec.rejection import forward_argmax
 logger = logging.getLogger(__name__)
 
 _SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
-DTYPES = ("float32", "bfloat16", "int8")
+DTYPES = ("float32", "bfloat16", "int8", "int4")
 """Weight formats of ``FastLlama.from_hf`` (the matrices only; everything else stays float32)."""
 # RoPE variants whose frequencies do not depend on the sequence length, so a precomputed table is
 # exact. ("dynamic" and "longrope" rescale with the length and are not supported.)
@@ -627,6 +633,23 @@ def _q4_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     return packed, torch.stack([d, low], dim=-1).contiguous()
 
 
+def _q4_packed(parts: Sequence[torch.Tensor], what: str) -> torch.Tensor:
+    """An int4 layer matrix (the rows of ``parts`` stacked): its exact 4-bit blocks (``_q4_blocks``)
+    in the kernel's ``q4_pack`` layout, uint8. Raises ValueError where the matrix is not made of
+    them (int4 is the Q4_1 GGUF's own weights, not a new rounding) or the kernel cannot take them."""
+    kernel = _load_kernel()
+    if kernel is None or not kernel.vnni_tiles_ready():
+        raise ValueError("int4 weights run on the C++ kernel with AVX-512 VNNI, which this machine lacks")
+    w = torch.cat([t.detach().float() for t in parts], dim=0)
+    blocks = _q4_blocks(w) if w.shape[0] % 16 == 0 else None
+    if blocks is None:
+        raise ValueError(
+            f"int4 needs every layer matrix made of exact Q4_1 blocks (a Q4_1 GGUF, such as the "
+            f"default model); {what} is not"
+        )
+    return kernel.q4_pack(*blocks)
+
+
 def _q8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The exact 8-bit blocks of a float32 matrix, or None where it has none.
 
@@ -705,7 +728,7 @@ class FastLlama:
     586 / 536 / 536 (a second run: 536 / 509 / 493); int8 unchanged (700 tokens 422 / 423 / 421).
     The kernel's logits do not depend on how many tokens share a call, so they are bitwise the
     same."""
-    kernel_prefill_max: dict[str, int] = {"float32": 96, "bfloat16": 96, "int8": 96}
+    kernel_prefill_max: dict[str, int] = {"float32": 96, "bfloat16": 96, "int8": 96, "int4": 1 << 30}
     """Calls up to this many tokens per row (by weight format) still run on the kernel, in pieces of
     ``kernel_prefill_piece``: below it the torch path's fixed costs (widening bfloat16/int8 weights to a
     float32 copy, small-GEMM overheads) exceed the kernel's. These defaults are the 2-core EPYC's
@@ -880,9 +903,11 @@ class FastLlama:
             tokenizer: kept as ``self.tokenizer``.
             dtype: "float32" (exact w.r.t. the HF model), "bfloat16" (weight matrices rounded to
                 bf16 and widened in the kernel: half the memory traffic) or "int8" (symmetric int8
-                with one float32 scale per weight row: a quarter of the traffic). Activations,
+                with one float32 scale per weight row: a quarter of the traffic) or "int4" (a Q4_1
+                model's own layer blocks, exact, multiplied in integers by int16 activations on the
+                kernel only; the embedding and head int8; ValueError for other models). Activations,
                 norms and biases stay float32 in every format; the KV cache is float16 for
-                bfloat16 and int8 on the kernel, float32 otherwise (``_kv_dtype``).
+                bfloat16, int8 and int4 on the kernel, float32 otherwise (``_kv_dtype``).
             max_batch_size: rows to preallocate caches for (``reset`` can grow them).
             max_length: context cap; defaults to ``config.max_position_embeddings``.
             use_kernel: None = use the C++ kernel when it builds (and ``VERISPEC_NO_KERNEL`` is unset);
@@ -892,6 +917,9 @@ class FastLlama:
             raise ValueError(f"FastLlama does not support {type(hf_model).__name__}")
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
+        kernel_off = use_kernel is False or os.environ.get("VERISPEC_NO_KERNEL", "") not in ("", "0")
+        if dtype == "int4" and kernel_off:
+            raise ValueError("int4 weights run on the C++ kernel only; it is turned off here")
         config = hf_model.config
         limit = int(config.max_position_embeddings)
         if _uses_sliding_window(config):
@@ -925,7 +953,7 @@ class FastLlama:
             if "head_screen" in weights:
                 mats.append((weights["head_screen"], "codes"))
             for d, key in mats:
-                if _pairs_ok(d[key]):
+                if d[key] is not None and _pairs_ok(d[key]):
                     _interleave_pairs(d[key])
             weights["paired"] = True
         return cls(
@@ -951,6 +979,12 @@ class FastLlama:
         )
         k.set_paired(bool(w.get("paired")))
         for lw in w["layers"]:
+            if self.dtype == "int4":
+                k.add_layer_q4(
+                    lw["in_norm"], lw["wqkv_q4i"], lw["bqkv"], lw["wo_q4i"], lw["bo"],
+                    lw["post_norm"], lw["wgu_q4i"], lw["wdown_q4i"],
+                )  # fmt: skip
+                continue
             k.add_layer(
                 lw["in_norm"], lw["wqkv"], lw["bqkv"], lw["wo"], lw["bo"],
                 lw["post_norm"], lw["wgu"], lw["wdown"],
@@ -1128,7 +1162,7 @@ class FastLlama:
                 raise ValueError(f"offsets must be {tuple(ids.shape)}, got {tuple(offsets.shape)}")
             if bool(((offsets < 0) | (offsets > torch.arange(T))).any()):
                 raise ValueError("offsets[i, t] must lie in [0, t]")
-            if self._kernel is not None and T <= self.kernel_max_tokens:
+            if self._kernel is not None and (T <= self.kernel_max_tokens or self.dtype == "int4"):
                 out = self._forward_kernel(ids, idx, starts, logits, offsets)
             else:
                 tree = functools.partial(self._forward_torch, offsets=offsets)
@@ -1309,6 +1343,8 @@ class FastLlama:
         ``offsets`` ``[n, T]``: a tree of drafts (see ``forward``).
         With ``record_hidden``, keeps the final residual stream ``[n, T, hidden]`` in ``last_hidden``.
         """
+        if self.dtype == "int4":  # its layers are held only as the kernel's 4-bit blocks
+            raise RuntimeError("int4 weights run on the C++ kernel only")
         w = self._w
         n, T = ids.shape
         Hq, Hkv, D = self._n_heads, self._n_kv, self._head_dim
@@ -1398,8 +1434,8 @@ class FastLlama:
 
 
 def _kv_dtype(dtype: str, kernel: bool) -> torch.dtype:
-    """The KV cache's dtype for weight format ``dtype``: float16 for "bfloat16" and "int8" on the
-    kernel, float32 otherwise; ``VERISPEC_KV_CACHE=float32`` or ``float16`` overrides.
+    """The KV cache's dtype for weight format ``dtype``: float16 for "bfloat16", "int8" and "int4"
+    on the kernel, float32 otherwise; ``VERISPEC_KV_CACHE=float32`` or ``float16`` overrides.
 
     Decoding reads every cached key and value once per step: SmolLM2-135M at 1500 cached tokens
     reads 69 MB of float32 keys and values against 135 MB of int8 weights. float16 halves that,
@@ -1411,7 +1447,7 @@ def _kv_dtype(dtype: str, kernel: bool) -> torch.dtype:
         if choice not in ("float32", "float16"):
             raise ValueError(f"VERISPEC_KV_CACHE must be float32 or float16, not {choice!r}")
         return torch.float16 if choice == "float16" else torch.float32
-    return torch.float16 if kernel and dtype in ("bfloat16", "int8") else torch.float32
+    return torch.float16 if kernel and dtype in ("bfloat16", "int8", "int4") else torch.float32
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -1442,35 +1478,35 @@ def _repack(hf_model: Any, dtype: str, max_length: int) -> dict[str, Any]:
 
     def mat(*ts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         full = torch.cat([t.detach().float() for t in ts], dim=0)
-        if dtype == "int8":
+        if dtype in ("int8", "int4"):  # int4: the embedding and head
             return _quantize_rows(full)
         return full.to(getattr(torch, dtype)).contiguous(), None
+
+    def layer_mat(name: str, i: int, *ts: torch.Tensor) -> dict[str, Any]:
+        """A layer matrix's entries: ``name`` and ``name + "_scale"``, or for int4 ``name`` None and
+        ``name + "_q4i"`` its exact 4-bit blocks in the kernel's layout (``_q4_packed``)."""
+        if dtype != "int4":
+            w, scale = mat(*ts)
+            return {name: w, name + "_scale": scale}
+        return {name: None, name + "_scale": None, name + "_q4i": _q4_packed(ts, f"layer {i}'s {name}")}
 
     def vec(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.detach().float().contiguous()
 
     layers = []
-    for blk in inner.layers:
+    for i, blk in enumerate(inner.layers):
         att, mlp = blk.self_attn, blk.mlp
         bias = [p.bias for p in (att.q_proj, att.k_proj, att.v_proj)]
-        wqkv, sqkv = mat(att.q_proj.weight, att.k_proj.weight, att.v_proj.weight)
-        wo, so = mat(att.o_proj.weight)
-        wgu, sgu = mat(mlp.gate_proj.weight, mlp.up_proj.weight)
-        wdown, sdown = mat(mlp.down_proj.weight)
         layers.append(
             {
                 "in_norm": vec(blk.input_layernorm.weight),
-                "wqkv": wqkv,
-                "wqkv_scale": sqkv,
+                **layer_mat("wqkv", i, att.q_proj.weight, att.k_proj.weight, att.v_proj.weight),
                 "bqkv": None if bias[0] is None else torch.cat([vec(b) for b in bias]),
-                "wo": wo,
-                "wo_scale": so,
+                **layer_mat("wo", i, att.o_proj.weight),
                 "bo": vec(att.o_proj.bias),
                 "post_norm": vec(blk.post_attention_layernorm.weight),
-                "wgu": wgu,
-                "wgu_scale": sgu,
-                "wdown": wdown,
-                "wdown_scale": sdown,
+                **layer_mat("wgu", i, mlp.gate_proj.weight, mlp.up_proj.weight),
+                **layer_mat("wdown", i, mlp.down_proj.weight),
             }
         )
     embed, embed_scale = mat(inner.embed_tokens.weight)
@@ -1505,12 +1541,12 @@ def _onto_huge_pages(weights: dict[str, Any]) -> None:
     20.3 ms per token (median of 10), int8 7.8 -> 7.3. Where huge pages are unavailable, the
     tensors stay as they are.
     """
-    slots = [(layer, key) for layer in weights["layers"] for key in _LAYER_MATRICES]
-    slots += [
-        (layer, key + "_q4")
+    slots = [
+        (layer, name)
         for layer in weights["layers"]
         for key in _LAYER_MATRICES
-        if layer.get(key + "_q4") is not None
+        for name in (key, key + "_q4", key + "_q4i")
+        if layer.get(name) is not None
     ]
     slots.append((weights, "embed"))
     if weights.get("head_q8") is not None:

@@ -1,0 +1,121 @@
+"""int4 weights: a model's own Q4_1 layer blocks multiplied in integers (``--dtype int4``).
+
+The format keeps a Q4_1 GGUF's layer weights exact (int8 rounds them again per row) and multiplies
+them by the same int16 activations as int8 (the kernel's ``linear_q4_tiles``); the embedding and
+head are int8. These tests build a tiny Llama whose layer matrices are exact Q4_1 blocks, and check
+what speculative decoding relies on (no logit depends on how many tokens share a call), closeness
+to the float32 model, and the clear errors where the format cannot run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_llama
+from transformers import LlamaForCausalLM
+
+from verispec.models import fast_llama
+from verispec.models.fast_llama import FastLlama
+
+KERNEL = fast_llama._load_kernel()
+VNNI = KERNEL is not None and bool(KERNEL.vnni_tiles_ready())
+requires_vnni = pytest.mark.skipif(not VNNI, reason="int4 needs the kernel with AVX-512 VNNI")
+VOCAB = 320
+
+
+def _as_q4_1(w: torch.Tensor) -> torch.Tensor:
+    """``w`` ``[N, K]`` rounded to Q4_1 blocks as GGUF writes them: per 32 weights the minimum m and
+    the step d (both float16), codes ``round((w - m) / d)``, and each weight ``d * q + m`` rounded once
+    to float32, as transformers dequantises it."""
+    n, k = w.shape
+    blocks = w.reshape(n, k // 32, 32)
+    m = blocks.amin(-1).half().float()
+    d = ((blocks.amax(-1) - m) / 15).half().float().clamp(min=2.0**-14)
+    q = ((blocks - m[..., None]) / d[..., None]).round().clamp(0, 15)
+    q[..., 0], q[..., 1] = 0, 15  # every block spans its whole range, as GGUF's quantiser leaves it
+    return (d[..., None] * q + m[..., None]).reshape(n, k)
+
+
+def _q4_llama(seed: int = 3) -> LlamaForCausalLM:
+    """A tiny float32 Llama whose layer matrices are exact Q4_1 blocks (rows in 16s, columns in 32s)."""
+    hf = tiny_llama(VOCAB, seed=seed, hidden=64, dtype=torch.float32)
+    with torch.no_grad():
+        for blk in hf.model.layers:
+            for proj in (*(getattr(blk.self_attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")),
+                         blk.mlp.gate_proj, blk.mlp.up_proj, blk.mlp.down_proj):  # fmt: skip
+                proj.weight.copy_(_as_q4_1(proj.weight))
+    return hf
+
+
+@requires_vnni
+def test_int4_logits_do_not_depend_on_how_many_tokens_share_a_call() -> None:
+    """A prompt whole, in kernel pieces, and one token at a time; decoding steps of 1, 5 and 9
+    tokens (and a row alone against two rows): every logit bitwise the same."""
+    hf = _q4_llama()
+    ids = torch.randint(0, VOCAB, (2, 90), generator=torch.Generator().manual_seed(1))
+    fast = FastLlama.from_hf(hf, dtype="int4", max_batch_size=2)
+    assert fast.uses_kernel and fast.dtype == "int4"
+    whole = fast.forward(ids)
+    fast.reset(2)
+    fast.kernel_prefill_piece = 32
+    pieces = fast.forward(ids)
+    fast.reset(2)
+    steps = []
+    for widths in ((1,) * 60, (5,) * 6, (9, 9, 9, 3)):
+        fast.reset(2)
+        pos, out = 0, []
+        for t in widths:
+            out.append(fast.forward(ids[:, pos : pos + t]))
+            pos += t
+        steps.append(torch.cat(out, dim=1))
+    assert torch.equal(whole, pieces)
+    for got in steps:
+        assert torch.equal(got, whole[:, : got.shape[1]])
+    fast.reset(2)
+    alone = fast.forward(ids[1:, :30], rows=[1])
+    assert torch.equal(alone, whole[1:, :30])
+
+
+@requires_vnni
+def test_int4_stays_close_to_float32_and_its_layers_are_exact() -> None:
+    """Against the float32 model, int4's logits differ only by the int16 activations, the float16
+    cache and the int8 head: closer than int8's, whose layer weights are rounded again. It holds
+    the layers as 4-bit blocks only: 6 bits a weight."""
+    hf = _q4_llama(seed=5)
+    ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(2))
+    ref = FastLlama.from_hf(hf, dtype="float32", use_kernel=True).forward(ids)
+    int4 = FastLlama.from_hf(hf, dtype="int4")
+    int8 = FastLlama.from_hf(hf, dtype="int8", use_kernel=True)
+    err4 = (int4.forward(ids) - ref).abs().max()
+    err8 = (int8.forward(ids) - ref).abs().max()
+    assert err4 < 0.05 * ref.abs().max()
+    assert err4 < err8
+    layer = int4._w["layers"][0]
+    assert layer["wgu"] is None and layer["wgu_q4i"].numel() == 256 * 64 * 6 // 8
+
+
+@requires_vnni
+def test_int4_greedy_speculation_is_plain_greedy() -> None:
+    """Prompt lookup over int4 weights gives exactly plain greedy decoding's tokens."""
+    from verispec.api import speculative_generate
+    from verispec.proposers import PromptLookup
+
+    hf = _q4_llama(seed=7)
+    fast = FastLlama.from_hf(hf, dtype="int4")
+    prompt = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(3))
+    prompt = torch.cat([prompt, prompt[:, :12]], dim=1)  # something to look up
+    kw = {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}
+    plain = speculative_generate(fast, None, prompt, **kw)
+    spec = speculative_generate(fast, PromptLookup(), prompt, num_speculative_tokens=4, **kw)
+    assert len(plain.token_ids) == 30
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.accepted_tokens > 0
+
+
+@requires_vnni
+def test_int4_refuses_a_model_without_q4_blocks_and_the_torch_path() -> None:
+    hf = tiny_llama(VOCAB, seed=3, hidden=64, dtype=torch.float32)  # random weights: no blocks
+    with pytest.raises(ValueError, match="exact Q4_1 blocks"):
+        FastLlama.from_hf(hf, dtype="int4")
+    with pytest.raises(ValueError, match="C\\+\\+ kernel only"):
+        FastLlama.from_hf(_q4_llama(), dtype="int4", use_kernel=False)
