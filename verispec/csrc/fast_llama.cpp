@@ -2148,15 +2148,15 @@ inline __m512 load8_pair(const KT* a, const KT* b) {
                                              _mm256_castps_pd(load8(b)), 1));
 }
 
-// Scores of QN queries against keys j .. j + 7 (rows of k, 64 floats each): out[x][0 .. 8). Two
-// keys share a register and each query's 8 values are repeated in both halves, so lane l of each
-// half forms dot's chain for its key; the four registers of key pairs are loaded once for all QN
-// queries.
-template <int QN, typename KT>
-inline void dot8_queries(const float* const* q, const KT* k, float* const* out) {
+// Scores of QN queries against 8 keys: out[x][0 .. 8). Two keys share a register and each query's 8
+// values are repeated in both halves, so lane l of each half forms dot's chain for its key; the
+// four registers of key pairs (`key(i, d)`: keys 2i and 2i + 1 at values d .. d + 7) are loaded
+// once for all QN queries.
+template <int QN, typename KeyPairs>
+inline void dot8_queries_of(const float* const* q, const KeyPairs& key, float* const* out) {
   constexpr int64_t D = kGroupedHeadDim;
   __m512 a[QN][4];
-#pragma GCC unroll 4
+#pragma GCC unroll 6
   for (int x = 0; x < QN; ++x)
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) a[x][i] = _mm512_setzero_ps();
@@ -2164,16 +2164,24 @@ inline void dot8_queries(const float* const* q, const KT* k, float* const* out) 
   for (int64_t d = 0; d < D; d += 8) {
     __m512 kk[4];
 #pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) kk[i] = load8_pair(k + 2 * i * D + d, k + (2 * i + 1) * D + d);
-#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) kk[i] = key(i, d);
+#pragma GCC unroll 6
     for (int x = 0; x < QN; ++x) {
       const __m512 qv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(load8(q[x] + d))));
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) a[x][i] = _mm512_fmadd_ps(qv, kk[i], a[x][i]);
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 6
   for (int x = 0; x < QN; ++x) hsum8_pairs(a[x], out[x]);
+}
+
+// dot8_queries_of keys j .. j + 7 of the cache (rows of k, 64 values each).
+template <int QN, typename KT>
+inline void dot8_queries(const float* const* q, const KT* k, float* const* out) {
+  constexpr int64_t D = kGroupedHeadDim;
+  dot8_queries_of<QN>(q, [k](int i, int64_t d) { return load8_pair(k + 2 * i * D + d, k + (2 * i + 1) * D + d); },
+                      out);
 }
 
 // weighted_rows for QN queries over the same value rows j0 .. j1 - 1: each row is loaded once
@@ -2411,29 +2419,10 @@ inline void widen_rows(const KT* v, int64_t rows, float* dst) {
   for (int64_t o = 0; o < rows * kGroupedHeadDim; o += 16) _mm512_storeu_ps(dst + o, load16z(v + o));
 }
 
-// dot8_queries over 8 keys widened by widen_key_pairs (kp: their 512 floats).
+// dot8_queries_of 8 keys widened by widen_key_pairs (kp: their 512 floats).
 template <int QN>
 inline void dot8_queries_wide(const float* const* q, const float* kp, float* const* out) {
-  constexpr int64_t D = kGroupedHeadDim;
-  __m512 a[QN][4];
-#pragma GCC unroll 6
-  for (int x = 0; x < QN; ++x)
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) a[x][i] = _mm512_setzero_ps();
-#pragma GCC unroll 8
-  for (int64_t d = 0; d < D; d += 8) {
-    __m512 kk[4];
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) kk[i] = _mm512_loadu_ps(kp + 8 * d + 16 * i);
-#pragma GCC unroll 6
-    for (int x = 0; x < QN; ++x) {
-      const __m512 qv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(q[x] + d))));
-#pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) a[x][i] = _mm512_fmadd_ps(qv, kk[i], a[x][i]);
-    }
-  }
-#pragma GCC unroll 6
-  for (int x = 0; x < QN; ++x) hsum8_pairs(a[x], out[x]);
+  dot8_queries_of<QN>(q, [kp](int i, int64_t d) { return _mm512_loadu_ps(kp + 8 * d + 16 * i); }, out);
 }
 
 // block_scores for a wide item, the block's keys j0 .. j0 + 8 * groups - 1 widened in kp: groups of
