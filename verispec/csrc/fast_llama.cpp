@@ -2630,6 +2630,13 @@ at::Tensor linear_rows_op(const at::Tensor& x, const at::Tensor& w) {
   return out;
 }
 
+// That t holds a [n, k] matrix as `q4_pack` lays it out.
+void check_q4_packed(const at::Tensor& t, int64_t n, int64_t k) {
+  TORCH_CHECK(k % 32 == 0 && n % kQ4Tile == 0, "int4 matrices need columns in 32s (K) and rows in 16s (N)");
+  TORCH_CHECK(t.scalar_type() == at::kByte && t.is_contiguous() && t.numel() == n / kQ4Tile * (k / 32) * kQ4BlockBytes,
+              "an int4 matrix must be q4_pack's output for [", n, ", ", k, "]");
+}
+
 // `q4_pack`: exact 4-bit blocks (q [N, K / 32, 16] uint8 as GGUF packs them, dm [N, K / 32, 2]
 // float32: d, m) in `linear_q4_tiles`' layout, [N / 16 * K / 32 * 384] uint8.
 at::Tensor q4_pack_op(const at::Tensor& q, const at::Tensor& dm) {
@@ -2665,10 +2672,7 @@ at::Tensor q4_linear_op(const at::Tensor& x, const at::Tensor& packed, int64_t N
                         const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % 32 == 0 && N % kQ4Tile == 0, "K must be a multiple of 32 and N of ", kQ4Tile);
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.numel() == N / kQ4Tile * (K / 32) * kQ4BlockBytes,
-              "packed must be q4_pack's output for [N, K]");
+  check_q4_packed(packed, N, K);
   if (bias) TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias [N]");
   auto y = at::empty({M, N}, x.options());
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -2923,9 +2927,15 @@ class FastLlamaKernel {
     L.wo = mat(wo, so, H_, Hq_ * D_);
     L.wgu = mat(wgu, sgu, 2 * I_, H_);
     L.wdown = mat(wdown, sdown, H_, I_);
+    push_layer(std::move(L), in_norm, bqkv, bo, post_norm);
+  }
+
+  // A layer's norms and biases checked and set, then the layer appended.
+  void push_layer(Layer L, const at::Tensor& in_norm, const std::optional<at::Tensor>& bqkv,
+                  const std::optional<at::Tensor>& bo, const at::Tensor& post_norm) {
     check_f32(in_norm, H_);
     check_f32(post_norm, H_);
-    if (bqkv) check_f32(*bqkv, qkv);
+    if (bqkv) check_f32(*bqkv, (Hq_ + 2 * Hkv_) * D_);
     if (bo) check_f32(*bo, H_);
     L.in_norm = in_norm;
     L.post_norm = post_norm;
@@ -2940,29 +2950,18 @@ class FastLlamaKernel {
   void add_layer_q4(at::Tensor in_norm, at::Tensor wqkv, std::optional<at::Tensor> bqkv, at::Tensor wo,
                     std::optional<at::Tensor> bo, at::Tensor post_norm, at::Tensor wgu, at::Tensor wdown) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    const int64_t qkv = (Hq_ + 2 * Hkv_) * D_;
     auto q4 = [](const at::Tensor& t, int64_t n, int64_t k) {
-      TORCH_CHECK(n % kQ4Tile == 0 && k % 32 == 0, "int4 matrices need rows in 16s and columns in 32s");
-      TORCH_CHECK(t.scalar_type() == at::kByte && t.is_contiguous() && t.numel() == n / kQ4Tile * (k / 32) * kQ4BlockBytes,
-                  "an int4 matrix must be q4_pack's output for [", n, ", ", k, "]");
+      check_q4_packed(t, n, k);
       Mat m;
       m.q4i = t;
       return m;
     };
     Layer L;
-    L.wqkv = q4(wqkv, qkv, H_);
+    L.wqkv = q4(wqkv, (Hq_ + 2 * Hkv_) * D_, H_);
     L.wo = q4(wo, H_, Hq_ * D_);
     L.wgu = q4(wgu, 2 * I_, H_);
     L.wdown = q4(wdown, H_, I_);
-    check_f32(in_norm, H_);
-    check_f32(post_norm, H_);
-    if (bqkv) check_f32(*bqkv, qkv);
-    if (bo) check_f32(*bo, H_);
-    L.in_norm = in_norm;
-    L.post_norm = post_norm;
-    L.bqkv = bqkv.value_or(at::Tensor());
-    L.bo = bo.value_or(at::Tensor());
-    layers_.push_back(std::move(L));
+    push_layer(std::move(L), in_norm, bqkv, bo, post_norm);
 #else
     TORCH_CHECK(false, "int4 weights need a CPU with AVX-512 VNNI");
 #endif
