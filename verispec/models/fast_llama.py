@@ -635,15 +635,18 @@ def _q4_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 def _q4_packed(parts: Sequence[torch.Tensor], what: str) -> torch.Tensor:
     """An int4 layer matrix (the rows of ``parts`` stacked): its exact 4-bit blocks (``_q4_blocks``)
-    in the kernel's ``q4_pack`` layout, uint8. Raises ValueError where the matrix is not made of
-    them (int4 is the Q4_1 GGUF's own weights, not a new rounding) or the kernel cannot take them."""
+    in the kernel's ``q4_pack`` layout, uint8. Raises ConfigError (a ValueError) where the matrix is
+    not made of them (int4 is the Q4_1 GGUF's own weights, not a new rounding) or the kernel cannot
+    take them."""
+    from verispec.config import ConfigError  # a ValueError the CLI prints as one line
+
     kernel = _load_kernel()
     if kernel is None or not kernel.vnni_tiles_ready():
-        raise ValueError("int4 weights run on the C++ kernel with AVX-512 VNNI, which this machine lacks")
+        raise ConfigError("int4 weights run on the C++ kernel with AVX-512 VNNI, which this machine lacks")
     w = torch.cat([t.detach().float() for t in parts], dim=0)
     blocks = _q4_blocks(w) if w.shape[0] % 16 == 0 else None
     if blocks is None:
-        raise ValueError(
+        raise ConfigError(
             f"int4 needs every layer matrix made of exact Q4_1 blocks (a Q4_1 GGUF, such as the "
             f"default model); {what} is not"
         )
@@ -919,7 +922,9 @@ class FastLlama:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
         kernel_off = use_kernel is False or os.environ.get("VERISPEC_NO_KERNEL", "") not in ("", "0")
         if dtype == "int4" and kernel_off:
-            raise ValueError("int4 weights run on the C++ kernel only; it is turned off here")
+            from verispec.config import ConfigError
+
+            raise ConfigError("int4 weights run on the C++ kernel only; it is turned off here")
         config = hf_model.config
         limit = int(config.max_position_embeddings)
         if _uses_sliding_window(config):
