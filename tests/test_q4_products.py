@@ -114,3 +114,36 @@ def test_q4_layout_errors_are_clear() -> None:
         KERNEL.q4_linear(torch.randn(2, 64), packed[:-1].contiguous(), 32)
     with pytest.raises(RuntimeError, match="columns in 32s"):
         KERNEL.q4_linear(torch.randn(2, 48), packed, 32)
+
+
+def _q8_matrix(n: int, k: int, seed: int) -> torch.Tensor:
+    """A float32 ``[n, k]`` matrix made of Q8_0 blocks (float16 ``d``, codes -127..127, each block
+    reaching 127 or -127 so that ``_q8_blocks`` finds ``d``)."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-127, 128, (n, k // 32, 32), generator=gen)
+    codes[..., 5] = 127
+    d = (torch.rand(n, k // 32, generator=gen) * 1e-3 + 1e-4).half().float()
+    return (d[..., None] * codes.float()).reshape(n, k)
+
+
+@requires_vnni
+@pytest.mark.parametrize(("n", "k"), [(16, 32), (80, 96), (64, 576)])
+@pytest.mark.parametrize("m", [1, 2, 5, 7])
+def test_q8_products_are_the_integer_sums(n: int, k: int, m: int) -> None:
+    """Exact 8-bit blocks (int4's head) the same way: against float64 sums of the same int16
+    activations and codes, to float32 rounding (each block's sum may exceed 2^24 and round once)."""
+    w = _q8_matrix(n, k, seed=n + k + m)
+    q, d = fast_llama._q8_blocks(w)
+    packed = KERNEL.q8_pack(q, d)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    y = KERNEL.q4_linear(x, packed, n, q8=True)
+    amax = x.abs().amax(dim=1, keepdim=True)
+    a = (x * (torch.tensor(32767.0) / amax)).round().double()  # [M, K]
+    xs = (amax / 32767.0).double()
+    blocks = torch.einsum("mbk,nbk->mnb", a.view(m, -1, 32), q.double())  # [M, N, B]
+    want = xs * (blocks * d.double()[None]).sum(-1)
+    magnitudes = torch.einsum("mbk,nbk->mnb", a.abs().view(m, -1, 32), q.abs().double())
+    size = xs * (magnitudes * d.double()[None]).sum(-1)
+    assert ((y.double() - want).abs() <= (3 * (k // 32) + 1) * 2.0**-24 * size).all()
+    alone = torch.cat([KERNEL.q4_linear(x[i : i + 1].contiguous(), packed, n, q8=True) for i in range(m)])
+    assert torch.equal(alone, y)

@@ -1979,6 +1979,7 @@ inline void weighted_rows(const float* p, const KT* v, int64_t j0, int64_t j1, i
 constexpr int64_t kQ4Tile = 16;                         // weight rows per tile
 constexpr int64_t kQ4BlockBytes = 256 + 2 * 16 * 4;     // codes, d, m of one tile's block
 constexpr int kQ4Group = 4;                             // tiles per thread work item
+constexpr int64_t kQ8BlockBytes = 512 + 2 * 16 * 4;     // codes, d, code sums of one tile's block (`q8_pack`)
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // Exact 4-bit blocks against int16 activations, in integers (a prototype of an int4 weight format;
 // session 41). A Q4_1 block of 32 weights is d * q + m, q in 0..15 (`_q4_blocks`). With each input
@@ -2078,27 +2079,100 @@ inline void q4_tile(const i8* hi, const uint8_t* lo, const float* asum, int64_t 
     }
 }
 
+// Exact 8-bit blocks (GGUF's Q8_0: d * q, q in -127..127; int4's embedding and head) the same way:
+// the codes are signed, so hi goes in offset by 128 (unsigned, `quantize_rows_bytes`) and each
+// block's sum of codes, stored with it, takes the offset back out. `sum q a` is an exact int32 (at
+// most 127 * 32767 * 32 < 2^31) but may exceed 2^24: its conversion to float32 rounds, the same
+// way for every row. Layout (`q8_pack`): as `q4_pack`'s, with 512 bytes of codes (vector j: 16
+// rows' codes of columns 4j .. 4j + 3), d[16] float32 and the code sums[16] int32 per tile and
+// block.
+template <int MR, int NT>
+inline void q8_tile(const uint8_t* hi, const uint8_t* lo, int64_t K, const uint8_t* w, int64_t bstride,
+                    const float* xs, const float* bias, float* y, int64_t ldy, bool accumulate, bool prefetch) {
+  const int64_t B = K / 32;
+  __m512 f[MR][NT];
+#pragma GCC unroll 5
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int u = 0; u < NT; ++u) f[i][u] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* blk = w + b * bstride;
+    if (prefetch)
+      for (int64_t o = 0; o < NT * kQ8BlockBytes; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + kQ4Prefetch + o), _MM_HINT_T0);
+    __m512i h[MR][NT], l[MR][NT];
+#pragma GCC unroll 5
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+      for (int u = 0; u < NT; ++u) h[i][u] = l[i][u] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      __m512i c[NT];
+#pragma GCC unroll 4
+      for (int u = 0; u < NT; ++u) c[u] = _mm512_loadu_si512(blk + u * kQ8BlockBytes + 64 * j);
+#pragma GCC unroll 5
+      for (int i = 0; i < MR; ++i) {
+        int32_t hv, lv;
+        std::memcpy(&hv, hi + i * K + 32 * b + 4 * j, 4);
+        std::memcpy(&lv, lo + i * K + 32 * b + 4 * j, 4);
+        const __m512i hb = _mm512_set1_epi32(hv), lb = _mm512_set1_epi32(lv);
+#pragma GCC unroll 4
+        for (int u = 0; u < NT; ++u) {
+          h[i][u] = dpbusd(h[i][u], hb, c[u]);  // (hi + 128) x codes
+          l[i][u] = dpbusd(l[i][u], lb, c[u]);  // lo x codes
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int u = 0; u < NT; ++u) {
+      const uint8_t* tail = blk + u * kQ8BlockBytes + 512;
+      const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(tail));
+      const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(tail + 64), 7);  // 128 * sum q
+#pragma GCC unroll 5
+      for (int i = 0; i < MR; ++i) {
+        const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_sub_epi32(h[i][u], offset), 8), l[i][u]);
+        f[i][u] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sum), f[i][u]);
+      }
+    }
+  }
+#pragma GCC unroll 5
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int u = 0; u < NT; ++u) {
+      const __m512 bv = bias != nullptr ? _mm512_loadu_ps(bias + kQ4Tile * u) : _mm512_setzero_ps();
+      __m512 o = _mm512_fmadd_ps(f[i][u], _mm512_set1_ps(xs[i]), bv);
+      float* out = y + i * ldy + kQ4Tile * u;
+      if (accumulate) o = _mm512_add_ps(_mm512_loadu_ps(out), o);
+      _mm512_storeu_ps(out, o);
+    }
+}
+
 // y[M, N] (+)= x[M, K] @ W^T + bias, W [N, K] as exact 4-bit blocks in `q4_pack`'s layout (N % 16 == 0,
 // K % 32 == 0). Threads split groups of kQ4Group tiles; each group meets every input row, up to
 // kQ4Rows at a time, while it sits in L1 / L2; the first pass asks for the next blocks ahead.
+// With Q8: W as exact 8-bit blocks in `q8_pack`'s layout (`q8_tile`), the same way.
+template <bool Q8 = false>
 void linear_q4_tiles(const float* x, int64_t M, int64_t ldx, const uint8_t* wt, int64_t N, int64_t K,
                      const float* bias, float* y, int64_t ldy, bool accumulate) {
-  const ByteRows rows_q = byte_rows(x, M, ldx, K, false);
+  const ByteRows rows_q = byte_rows(x, M, ldx, K, Q8);
+  constexpr int64_t kBlockBytes = Q8 ? kQ8BlockBytes : kQ4BlockBytes;
   const int64_t B = K / 32, tiles = N / kQ4Tile;
   thread_local std::vector<float> asum;  // [M, B]: each block's sum of an input row's int16 values
-  asum.resize(M * B);
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t b = 0; b < B; ++b) {
-      int32_t t = 0;
-      for (int64_t k = 32 * b; k < 32 * b + 32; ++k) t += 256 * rows_q.hi[i * K + k] + rows_q.lo[i * K + k];
-      asum[i * B + b] = static_cast<float>(t);
-    }
+  if (!Q8) {
+    asum.resize(M * B);
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t b = 0; b < B; ++b) {
+        int32_t t = 0;
+        for (int64_t k = 32 * b; k < 32 * b + 32; ++k) t += 256 * rows_q.hi[i * K + k] + rows_q.lo[i * K + k];
+        asum[i * B + b] = static_cast<float>(t);
+      }
+  }
   const float* as = asum.data();
   at::parallel_for(0, (tiles + kQ4Group - 1) / kQ4Group, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t t0 = g * kQ4Group, t1 = std::min<int64_t>(tiles, t0 + kQ4Group);
-      const int64_t bstride = (t1 - t0) * kQ4BlockBytes;  // between a tile's blocks
-      const uint8_t* gw = wt + t0 * B * kQ4BlockBytes;
+      const int64_t bstride = (t1 - t0) * kBlockBytes;  // between a tile's blocks
+      const uint8_t* gw = wt + t0 * B * kBlockBytes;
       // Two rows go one at a time, each pass over the group's tiles from L1 / L2: their own pass
       // of 2 rows by 2 tiles was slower (int4 greedy steps at 200 cached tokens, SmolLM2-135M, two
       // builds alternating, min ms: 2 tokens 5.65 -> 4.85, 1 token 3.76 -> 3.69; one row at a
@@ -2111,10 +2185,16 @@ void linear_q4_tiles(const float* x, int64_t M, int64_t ldx, const uint8_t* wt, 
           for (int64_t t = t0; t < t1; t += NT) {
             with_rows<NT>(std::min<int64_t>(NT, t1 - t), [&](auto T) {
               const int64_t j = t * kQ4Tile;
-              q4_tile<decltype(R)::value, decltype(T)::value>(
-                  rows_q.hi + m * K, rows_q.lo + m * K, as + m * B, K, gw + (t - t0) * kQ4BlockBytes, bstride,
-                  rows_q.xs + m,
-                  bias ? bias + j : nullptr, y + m * ldy + j, ldy, accumulate, m == 0);
+              const uint8_t* tw = gw + (t - t0) * kBlockBytes;
+              const float* bj = bias ? bias + j : nullptr;
+              if constexpr (Q8)
+                q8_tile<decltype(R)::value, decltype(T)::value>(
+                    reinterpret_cast<const uint8_t*>(rows_q.hi) + m * K, rows_q.lo + m * K, K, tw, bstride,
+                    rows_q.xs + m, bj, y + m * ldy + j, ldy, accumulate, m == 0);
+              else
+                q4_tile<decltype(R)::value, decltype(T)::value>(rows_q.hi + m * K, rows_q.lo + m * K, as + m * B, K,
+                                                                tw, bstride, rows_q.xs + m, bj, y + m * ldy + j,
+                                                                ldy, accumulate, m == 0);
             });
           }
         });
@@ -2485,6 +2565,7 @@ struct Mat {
   at::Tensor tiles;  // int8 weights also as tiles (`amx_pack`), or undefined
   at::Tensor wsum;   // with tiles on VNNI: each weight row's sum (`tile_row_sums`), int32 [N]
   at::Tensor q4i;    // int4 weights: exact 4-bit blocks in `q4_pack`'s layout (no `w`), or undefined
+  at::Tensor q8i;    // int4's embedding / head: also as exact 8-bit blocks in `q8_pack`'s layout, or undefined
   const float* sc() const { return scale.defined() ? scale.data_ptr<float>() : nullptr; }
 };
 
@@ -2630,11 +2711,56 @@ at::Tensor linear_rows_op(const at::Tensor& x, const at::Tensor& w) {
   return out;
 }
 
-// That t holds a [n, k] matrix as `q4_pack` lays it out.
-void check_q4_packed(const at::Tensor& t, int64_t n, int64_t k) {
+// That t holds a [n, k] matrix as `q4_pack` (or with Q8, `q8_pack`) lays it out.
+void check_q4_packed(const at::Tensor& t, int64_t n, int64_t k, bool q8 = false) {
   TORCH_CHECK(k % 32 == 0 && n % kQ4Tile == 0, "int4 matrices need columns in 32s (K) and rows in 16s (N)");
-  TORCH_CHECK(t.scalar_type() == at::kByte && t.is_contiguous() && t.numel() == n / kQ4Tile * (k / 32) * kQ4BlockBytes,
-              "an int4 matrix must be q4_pack's output for [", n, ", ", k, "]");
+  const int64_t bytes = q8 ? kQ8BlockBytes : kQ4BlockBytes;
+  TORCH_CHECK(t.scalar_type() == at::kByte && t.is_contiguous() && t.numel() == n / kQ4Tile * (k / 32) * bytes,
+              "an int4 matrix must be ", q8 ? "q8_pack" : "q4_pack", "'s output for [", n, ", ", k, "]");
+}
+
+// `q8_pack`: exact 8-bit blocks (q [N, K / 32, 32] int8, d [N, K / 32] float32) in `q8_tile`'s
+// layout, [N / 16 * K / 32 * 640] uint8.
+at::Tensor q8_pack_op(const at::Tensor& q, const at::Tensor& d) {
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == 32 && q.scalar_type() == at::kChar && q.is_contiguous(),
+              "q must be contiguous int8 [N, K / 32, 32]");
+  const int64_t N = q.size(0), B = q.size(1);
+  TORCH_CHECK(N % kQ4Tile == 0, "N must be a multiple of ", kQ4Tile);
+  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.dim() == 2 && d.size(0) == N && d.size(1) == B,
+              "d must be contiguous float32 [N, K / 32]");
+  auto out = at::empty({N / kQ4Tile * B * kQ8BlockBytes}, q.options().dtype(at::kByte));
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* dp = d.data_ptr<float>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  const int64_t tiles = N / kQ4Tile;
+  for (int64_t t0 = 0; t0 < tiles; t0 += kQ4Group)
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = t0; t < std::min<int64_t>(tiles, t0 + kQ4Group); ++t, o += kQ8BlockBytes) {
+        float* dd = reinterpret_cast<float*>(o + 512);
+        int32_t* sums = reinterpret_cast<int32_t*>(o + 576);
+        for (int64_t r = 0; r < kQ4Tile; ++r) {
+          const int8_t* codes = qp + ((t * kQ4Tile + r) * B + b) * 32;
+          for (int64_t j = 0; j < 8; ++j) std::memcpy(o + 64 * j + 4 * r, codes + 4 * j, 4);
+          dd[r] = dp[(t * kQ4Tile + r) * B + b];
+          sums[r] = 0;
+          for (int64_t k = 0; k < 32; ++k) sums[r] += codes[k];
+        }
+      }
+  return out;
+}
+
+// Row r [K] of a matrix in `q8_pack`'s layout, widened: d * q, exact in float32.
+void q8_row(const uint8_t* packed, int64_t N, int64_t K, int64_t r, float* out) {
+  const int64_t B = K / 32, tiles = N / kQ4Tile, t = r / kQ4Tile, t0 = t / kQ4Group * kQ4Group;
+  const int64_t G = std::min<int64_t>(kQ4Group, tiles - t0), rr = r % kQ4Tile;
+  const uint8_t* group = packed + t0 * B * kQ8BlockBytes;
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* blk = group + (b * G + (t - t0)) * kQ8BlockBytes;
+    float d;
+    std::memcpy(&d, blk + 512 + 4 * rr, 4);
+    for (int64_t j = 0; j < 8; ++j)
+      for (int64_t i = 0; i < 4; ++i) out[32 * b + 4 * j + i] = d * static_cast<float>(static_cast<int8_t>(blk[64 * j + 4 * rr + i]));
+  }
 }
 
 // `q4_pack`: exact 4-bit blocks (q [N, K / 32, 16] uint8 as GGUF packs them, dm [N, K / 32, 2]
@@ -2669,15 +2795,19 @@ at::Tensor q4_pack_op(const at::Tensor& q, const at::Tensor& dm) {
 // y [M, N] = x [M, K] @ W^T (+ bias), W in `q4_pack`'s layout: `linear_q4_tiles`, for tests and
 // measurements (AVX-512 VNNI CPUs only).
 at::Tensor q4_linear_op(const at::Tensor& x, const at::Tensor& packed, int64_t N,
-                        const std::optional<at::Tensor>& bias) {
+                        const std::optional<at::Tensor>& bias, bool q8) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1);
-  check_q4_packed(packed, N, K);
+  check_q4_packed(packed, N, K, q8);
   if (bias) TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias [N]");
   auto y = at::empty({M, N}, x.options());
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  linear_q4_tiles(x.data_ptr<float>(), M, K, packed.data_ptr<uint8_t>(), N, K,
-                  bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), N, false);
+  if (q8)
+    linear_q4_tiles<true>(x.data_ptr<float>(), M, K, packed.data_ptr<uint8_t>(), N, K,
+                          bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), N, false);
+  else
+    linear_q4_tiles(x.data_ptr<float>(), M, K, packed.data_ptr<uint8_t>(), N, K,
+                    bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), N, false);
 #else
   TORCH_CHECK(false, "q4_linear needs AVX-512 VNNI");
 #endif
@@ -2965,6 +3095,25 @@ class FastLlamaKernel {
 #else
     TORCH_CHECK(false, "int4 weights need a CPU with AVX-512 VNNI");
 #endif
+  }
+
+  // int4's int8 head and embedding (`set_head`, which must come first) also as exact 8-bit blocks in
+  // `q8_pack`'s layout (either may be None): head products then multiply them in integers
+  // (`q8_tile`), and embedding rows are read from them exactly. A tied head is the embedding: its
+  // blocks serve both.
+  void set_q8i(std::optional<at::Tensor> head, std::optional<at::Tensor> embed) {
+    TORCH_CHECK(wtype_ == at::kChar && head_.w.defined(), "an int8 head must be set first");
+    const bool tied = embed_.w.defined() && embed_.w.data_ptr() == head_.w.data_ptr();
+    if (head) {
+      check_q4_packed(*head, head_.w.size(0), H_, true);
+      head_.q8i = *head;
+      if (tied) embed_.q8i = *head;
+    }
+    if (embed && !tied) {
+      TORCH_CHECK(embed_.w.defined(), "no embedding to set");
+      check_q4_packed(*embed, embed_.w.size(0), H_, true);
+      embed_.q8i = *embed;
+    }
   }
 
   // Layer `l`'s matrix `which` (0 wqkv, 1 wo, 2 wgu, 3 wdown), float32, also as exact 4-bit blocks
@@ -3335,6 +3484,10 @@ class FastLlamaKernel {
         linear_q4_tiles(x, M, K, W.q4i.data_ptr<uint8_t>(), N, K, bias, y, N, accumulate);
         return;
       }
+      if (W.q8i.defined()) {
+        linear_q4_tiles<true>(x, M, K, W.q8i.data_ptr<uint8_t>(), N, K, bias, y, N, accumulate);
+        return;
+      }
 #endif
       if (W.tiles.defined() && M >= amx_rows_) {
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
@@ -3381,6 +3534,10 @@ class FastLlamaKernel {
       const WT* emb = wptr<WT>(embed_.w);
       const float* emb_scale = embed_.sc();
       for (int64_t m = 0; m < M; ++m) {
+        if (embed_.q8i.defined()) {  // int4: the exact row
+          q8_row(embed_.q8i.data_ptr<uint8_t>(), embed_.w.size(0), H, id[m], x + m * H);
+          continue;
+        }
         const float s = emb_scale ? emb_scale[id[m]] : 1.0f;  // x * 1.0f is exact for the float types
         if (embed_.paired) {  // row id is half of pair id / 2, chunk by chunk
           constexpr int64_t C = kPairChunk<WT>;
@@ -3754,6 +3911,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double>())
       .def("add_layer", &FastLlamaKernel::add_layer)
       .def("add_layer_q4", &FastLlamaKernel::add_layer_q4)
+      .def("set_q8i", &FastLlamaKernel::set_q8i, pybind11::arg("head"), pybind11::arg("embed") = std::nullopt)
       .def("set_head", &FastLlamaKernel::set_head)
       .def("set_paired", &FastLlamaKernel::set_paired)
       .def("set_amx", &FastLlamaKernel::set_amx)
@@ -3799,7 +3957,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("q4_pack", &q4_pack_op, pybind11::arg("q"), pybind11::arg("dm"));
   m.def("q4_linear", &q4_linear_op, pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("n"),
-        pybind11::arg("bias") = std::nullopt, pybind11::call_guard<pybind11::gil_scoped_release>());
+        pybind11::arg("bias") = std::nullopt, pybind11::arg("q8") = false,
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("q8_pack", &q8_pack_op, pybind11::arg("q"), pybind11::arg("d"));
   m.def("swiglu", &swiglu_op, pybind11::arg("gu"), pybind11::arg("scale") = std::nullopt,
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rmsnorm_f32", &rmsnorm_rows_op<float>, pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"),

@@ -653,6 +653,14 @@ def _q4_packed(parts: Sequence[torch.Tensor], what: str) -> torch.Tensor:
     return kernel.q4_pack(*blocks)
 
 
+def _q8_packed(head: torch.Tensor) -> torch.Tensor | None:
+    """int4's output head ``[V, H]`` as exact 8-bit blocks (``_q8_blocks``) in the kernel's
+    ``q8_pack`` layout, uint8, or None where it is not made of them (it then stays int8 per row)."""
+    w = head.detach().float()
+    blocks = _q8_blocks(w) if w.shape[0] % 16 == 0 else None
+    return None if blocks is None else _load_kernel().q8_pack(*blocks)
+
+
 def _q8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The exact 8-bit blocks of a float32 matrix, or None where it has none.
 
@@ -1002,6 +1010,8 @@ class FastLlama:
         k.set_head(w["embed"], w["norm"], w["head"], w["embed_scale"], w["head_scale"])
         if w.get("head_q8") is not None:
             k.set_head_q8(w["head_q8"])
+        if w.get("head_q8i") is not None or w.get("embed_q8i") is not None:
+            k.set_q8i(w.get("head_q8i"), w.get("embed_q8i"))
         k.set_block_rows(self.q4_rows, self.head_q8_rows)
         if "head_screen" in w:
             sc = w["head_screen"]
@@ -1077,6 +1087,10 @@ class FastLlama:
             for key in _LAYER_MATRICES:
                 if layer.get(key + "_q4") is not None:
                     unread.append(layer[key] if blocks and self.q4_rows > 0 else layer[key + "_q4"])
+        if w.get("head_q8i") is not None:  # int4 reads its head's 8-bit blocks, not its int8 rows
+            unread.append(w["head"])
+        if w.get("embed_q8i") is not None:  # ... and an untied embedding's rows from its blocks
+            unread.append(w["embed"])
         head_q8 = [w["head_q8"]] if w.get("head_q8") is not None else []
         screen = w.get("head_screen")
         if greedy and screen is not None:  # the screen and a few rows of the head
@@ -1519,6 +1533,10 @@ def _repack(hf_model: Any, dtype: str, max_length: int) -> dict[str, Any]:
     tied = lm_head.data_ptr() == inner.embed_tokens.weight.data_ptr()
     # A tied head is the embedding's tensors themselves (one copy, counted once by weight_bytes).
     head, head_scale = (embed, embed_scale) if tied else mat(lm_head)
+    # int4: a head and an embedding made of exact Q8_0 blocks are also kept as them (``q8_pack``;
+    # a tied pair once), which the kernel then reads instead of the int8 rows.
+    head_q8i = _q8_packed(lm_head) if dtype == "int4" else None
+    embed_q8i = _q8_packed(inner.embed_tokens.weight) if dtype == "int4" and not tied else None
     # Same arithmetic as HF's rotary embedding: float32 position * inv_freq, cos/sin, then the
     # attention scaling, so the tables are bitwise HF's.
     rot = inner.rotary_emb
@@ -1531,6 +1549,8 @@ def _repack(hf_model: Any, dtype: str, max_length: int) -> dict[str, Any]:
         "embed_scale": embed_scale,
         "head": head,
         "head_scale": head_scale,
+        "head_q8i": head_q8i,
+        "embed_q8i": embed_q8i,
         "norm": vec(inner.norm.weight),
         "cos": (emb.cos() * rot.attention_scaling).contiguous(),
         "sin": (emb.sin() * rot.attention_scaling).contiguous(),
@@ -1554,8 +1574,9 @@ def _onto_huge_pages(weights: dict[str, Any]) -> None:
         if layer.get(name) is not None
     ]
     slots.append((weights, "embed"))
-    if weights.get("head_q8") is not None:
-        slots.append((weights, "head_q8"))
+    for key in ("head_q8", "head_q8i", "embed_q8i"):
+        if weights.get(key) is not None:
+            slots.append((weights, key))
     tied = weights["head"] is weights["embed"]
     if not tied:
         slots.append((weights, "head"))
