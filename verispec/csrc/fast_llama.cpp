@@ -2005,13 +2005,12 @@ constexpr int64_t kQ4Prefetch = 16 * 1024;              // the first pass asks f
 // Tiles for MR input rows at a time: registers 3 MR NT (sums) + 2 NT (codes) + 4 (broadcasts) <= 32.
 constexpr int q4_tiles_for(int mr) { return mr == 1 ? 4 : mr <= 3 ? 2 : 1; }
 
-// MR input rows against NT tiles (tile u's block b at w + b * bstride + u * kQ4BlockBytes).
-template <int MR, int NT>
-inline void q4_tile(const i8* hi, const uint8_t* lo, const float* asum, int64_t K, const uint8_t* w,
-                    int64_t bstride, const float* xs, const float* bias, float* y, int64_t ldy,
-                    bool accumulate, bool prefetch) {
-  const int64_t B = K / 32;
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
+// The loop both block formats share: MR input rows against NT tiles (tile u's block b at w + b *
+// bstride + u * BlockBytes), `block(blk, b, f)` adding block b into the float32 sums f[MR][NT], then
+// each output scaled by its row's xs with the bias in one fma, stored or added.
+template <int MR, int NT, int64_t BlockBytes, typename Block>
+inline void block_tiles(int64_t B, const uint8_t* w, int64_t bstride, const float* xs, const float* bias, float* y,
+                        int64_t ldy, bool accumulate, bool prefetch, const Block& block) {
   __m512 f[MR][NT];
 #pragma GCC unroll 5
   for (int i = 0; i < MR; ++i)
@@ -2020,8 +2019,31 @@ inline void q4_tile(const i8* hi, const uint8_t* lo, const float* asum, int64_t 
   for (int64_t b = 0; b < B; ++b) {
     const uint8_t* blk = w + b * bstride;
     if (prefetch)
-      for (int64_t o = 0; o < NT * kQ4BlockBytes; o += 64)
+      for (int64_t o = 0; o < NT * BlockBytes; o += 64)
         _mm_prefetch(reinterpret_cast<const char*>(blk + kQ4Prefetch + o), _MM_HINT_T0);
+    block(blk, b, f);
+  }
+#pragma GCC unroll 5
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int u = 0; u < NT; ++u) {
+      const __m512 bv = bias != nullptr ? _mm512_loadu_ps(bias + kQ4Tile * u) : _mm512_setzero_ps();
+      __m512 o = _mm512_fmadd_ps(f[i][u], _mm512_set1_ps(xs[i]), bv);
+      float* out = y + i * ldy + kQ4Tile * u;
+      if (accumulate) o = _mm512_add_ps(_mm512_loadu_ps(out), o);
+      _mm512_storeu_ps(out, o);
+    }
+}
+
+// MR input rows against NT tiles of 4-bit blocks.
+template <int MR, int NT>
+inline void q4_tile(const i8* hi, const uint8_t* lo, const float* asum, int64_t K, const uint8_t* w,
+                    int64_t bstride, const float* xs, const float* bias, float* y, int64_t ldy,
+                    bool accumulate, bool prefetch) {
+  const int64_t B = K / 32;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  block_tiles<MR, NT, kQ4BlockBytes>(B, w, bstride, xs, bias, y, ldy, accumulate, prefetch,
+                                     [&](const uint8_t* blk, int64_t b, __m512 (&f)[MR][NT]) {
     __m512i h[MR][NT], l[MR][NT];
 #pragma GCC unroll 5
     for (int i = 0; i < MR; ++i)
@@ -2066,17 +2088,7 @@ inline void q4_tile(const i8* hi, const uint8_t* lo, const float* asum, int64_t 
         f[i][u] = _mm512_fmadd_ps(m, _mm512_set1_ps(asum[i * B + b]), f[i][u]);
       }
     }
-  }
-#pragma GCC unroll 5
-  for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 4
-    for (int u = 0; u < NT; ++u) {
-      const __m512 b = bias != nullptr ? _mm512_loadu_ps(bias + kQ4Tile * u) : _mm512_setzero_ps();
-      __m512 o = _mm512_fmadd_ps(f[i][u], _mm512_set1_ps(xs[i]), b);
-      float* out = y + i * ldy + kQ4Tile * u;
-      if (accumulate) o = _mm512_add_ps(_mm512_loadu_ps(out), o);
-      _mm512_storeu_ps(out, o);
-    }
+  });
 }
 
 // Exact 8-bit blocks (GGUF's Q8_0: d * q, q in -127..127; int4's embedding and head) the same way:
@@ -2089,17 +2101,8 @@ inline void q4_tile(const i8* hi, const uint8_t* lo, const float* asum, int64_t 
 template <int MR, int NT>
 inline void q8_tile(const uint8_t* hi, const uint8_t* lo, int64_t K, const uint8_t* w, int64_t bstride,
                     const float* xs, const float* bias, float* y, int64_t ldy, bool accumulate, bool prefetch) {
-  const int64_t B = K / 32;
-  __m512 f[MR][NT];
-#pragma GCC unroll 5
-  for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 4
-    for (int u = 0; u < NT; ++u) f[i][u] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < B; ++b) {
-    const uint8_t* blk = w + b * bstride;
-    if (prefetch)
-      for (int64_t o = 0; o < NT * kQ8BlockBytes; o += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(blk + kQ4Prefetch + o), _MM_HINT_T0);
+  block_tiles<MR, NT, kQ8BlockBytes>(K / 32, w, bstride, xs, bias, y, ldy, accumulate, prefetch,
+                                     [&](const uint8_t* blk, int64_t b, __m512 (&f)[MR][NT]) {
     __m512i h[MR][NT], l[MR][NT];
 #pragma GCC unroll 5
     for (int i = 0; i < MR; ++i)
@@ -2134,17 +2137,7 @@ inline void q8_tile(const uint8_t* hi, const uint8_t* lo, int64_t K, const uint8
         f[i][u] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sum), f[i][u]);
       }
     }
-  }
-#pragma GCC unroll 5
-  for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 4
-    for (int u = 0; u < NT; ++u) {
-      const __m512 bv = bias != nullptr ? _mm512_loadu_ps(bias + kQ4Tile * u) : _mm512_setzero_ps();
-      __m512 o = _mm512_fmadd_ps(f[i][u], _mm512_set1_ps(xs[i]), bv);
-      float* out = y + i * ldy + kQ4Tile * u;
-      if (accumulate) o = _mm512_add_ps(_mm512_loadu_ps(out), o);
-      _mm512_storeu_ps(out, o);
-    }
+  });
 }
 
 // y[M, N] (+)= x[M, K] @ W^T + bias, W [N, K] as exact 4-bit blocks in `q4_pack`'s layout (N % 16 == 0,
