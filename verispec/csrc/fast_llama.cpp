@@ -894,8 +894,9 @@ inline void amx_configure(int64_t mc) {
 // the same q, element by element), stored as q's high bytes hi (q >> 8) and low bytes lo (q & 255),
 // [M, K] each; K a multiple of 16. One pass less than quantising, then splitting. With
 // `offset_hi`, hi holds (q >> 8) + 128 as an unsigned byte instead (`linear_vnni_tiles`).
+// With `block_sums` [M, K / 32] (K a multiple of 32), each 32 columns' sum of q, exact.
 inline void quantize_rows_bytes(const float* x, int64_t M, int64_t ldx, int64_t K, i8* hi, uint8_t* lo,
-                                float* xs, bool offset_hi = false) {
+                                float* xs, bool offset_hi = false, int32_t* block_sums = nullptr) {
   const __m512i flip = _mm512_set1_epi32(offset_hi ? 0x80 : 0);
   for (int64_t m = 0; m < M; ++m) {
     const float* r = x + m * ldx;
@@ -911,14 +912,23 @@ inline void quantize_rows_bytes(const float* x, int64_t M, int64_t ldx, int64_t 
     if (inv == 0.0f) {
       std::memset(hi + m * K, 0, K);
       std::memset(lo + m * K, 0, K);
+      if (block_sums != nullptr) std::fill_n(block_sums + m * (K / 32), K / 32, 0);
       continue;
     }
     const __m512 vinv = _mm512_set1_ps(inv);
+    __m512i block = _mm512_setzero_si512();
     for (int64_t k = 0; k < K; k += 16) {
       const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(r + k), vinv));  // |q| <= 32767
       const __m512i h = _mm512_xor_si512(_mm512_srai_epi32(q, 8), flip);  // the low byte: hi, or hi + 128
       _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + m * K + k), _mm512_cvtepi32_epi8(h));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + m * K + k), _mm512_cvtepi32_epi8(q));
+      if (block_sums != nullptr) {
+        block = _mm512_add_epi32(block, q);
+        if (k % 32 == 16) {
+          block_sums[m * (K / 32) + k / 32] = _mm512_reduce_add_epi32(block);
+          block = _mm512_setzero_si512();
+        }
+      }
     }
   }
 }
@@ -938,19 +948,23 @@ inline void finish_amx8(__m256i h, __m256i l, double xs, const float* scale, con
 // x [M, K] quantised into this thread's buffers by `quantize_rows_bytes`, for the tile products:
 // the pointers stay valid for all threads until this thread's next call.
 struct ByteRows {
-  const float* xs;    // [M]
-  const i8* hi;       // [M, K]
-  const uint8_t* lo;  // [M, K]
+  const float* xs;        // [M]
+  const i8* hi;           // [M, K]
+  const uint8_t* lo;      // [M, K]
+  const int32_t* sums;    // [M, K / 32] with `block_sums`, else null
 };
-inline ByteRows byte_rows(const float* x, int64_t M, int64_t ldx, int64_t K, bool offset_hi) {
+inline ByteRows byte_rows(const float* x, int64_t M, int64_t ldx, int64_t K, bool offset_hi,
+                          bool block_sums = false) {
   thread_local std::vector<float> xs;
   thread_local std::vector<i8> hi;
   thread_local std::vector<uint8_t> lo;
+  thread_local std::vector<int32_t> sums;
   xs.resize(M);
   hi.resize(M * K);
   lo.resize(M * K);
-  quantize_rows_bytes(x, M, ldx, K, hi.data(), lo.data(), xs.data(), offset_hi);
-  return {xs.data(), hi.data(), lo.data()};
+  sums.resize(block_sums ? M * (K / 32) : 0);
+  quantize_rows_bytes(x, M, ldx, K, hi.data(), lo.data(), xs.data(), offset_hi, block_sums ? sums.data() : nullptr);
+  return {xs.data(), hi.data(), lo.data(), block_sums ? sums.data() : nullptr};
 }
 #endif
 
@@ -2006,8 +2020,9 @@ constexpr int64_t kQ4Prefetch = 16 * 1024;              // the first pass asks f
 constexpr int q4_tiles_for(int mr) { return mr == 1 ? 4 : mr <= 3 ? 2 : 1; }
 
 // The loop both block formats share: MR input rows against NT tiles (tile u's block b at w + b *
-// bstride + u * BlockBytes), `block(blk, b, f)` adding block b into the float32 sums f[MR][NT], then
-// each output scaled by its row's xs with the bias in one fma, stored or added.
+// bstride + u * BlockBytes), `block(blk, b, f, h, l)` adding block b into the float32 sums f[MR][NT]
+// by way of the two integer sums h and l (zeroed for each block), then each output scaled by its
+// row's xs with the bias in one fma, stored or added.
 template <int MR, int NT, int64_t BlockBytes, typename Block>
 inline void block_tiles(int64_t B, const uint8_t* w, int64_t bstride, const float* xs, const float* bias, float* y,
                         int64_t ldy, bool accumulate, bool prefetch, const Block& block) {
@@ -2021,7 +2036,12 @@ inline void block_tiles(int64_t B, const uint8_t* w, int64_t bstride, const floa
     if (prefetch)
       for (int64_t o = 0; o < NT * BlockBytes; o += 64)
         _mm_prefetch(reinterpret_cast<const char*>(blk + kQ4Prefetch + o), _MM_HINT_T0);
-    block(blk, b, f);
+    __m512i h[MR][NT], l[MR][NT];
+#pragma GCC unroll 5
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+      for (int u = 0; u < NT; ++u) h[i][u] = l[i][u] = _mm512_setzero_si512();
+    block(blk, b, f, h, l);
   }
 #pragma GCC unroll 5
   for (int i = 0; i < MR; ++i)
@@ -2037,18 +2057,14 @@ inline void block_tiles(int64_t B, const uint8_t* w, int64_t bstride, const floa
 
 // MR input rows against NT tiles of 4-bit blocks.
 template <int MR, int NT>
-inline void q4_tile(const i8* hi, const uint8_t* lo, const float* asum, int64_t K, const uint8_t* w,
+inline void q4_tile(const i8* hi, const uint8_t* lo, const int32_t* asum, int64_t K, const uint8_t* w,
                     int64_t bstride, const float* xs, const float* bias, float* y, int64_t ldy,
                     bool accumulate, bool prefetch) {
   const int64_t B = K / 32;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   block_tiles<MR, NT, kQ4BlockBytes>(B, w, bstride, xs, bias, y, ldy, accumulate, prefetch,
-                                     [&](const uint8_t* blk, int64_t b, __m512 (&f)[MR][NT]) {
-    __m512i h[MR][NT], l[MR][NT];
-#pragma GCC unroll 5
-    for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 4
-      for (int u = 0; u < NT; ++u) h[i][u] = l[i][u] = _mm512_setzero_si512();
+                                     [&](const uint8_t* blk, int64_t b, __m512 (&f)[MR][NT], __m512i (&h)[MR][NT],
+                                         __m512i (&l)[MR][NT]) {
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       __m512i c0[NT], c1[NT];
@@ -2085,7 +2101,7 @@ inline void q4_tile(const i8* hi, const uint8_t* lo, const float* asum, int64_t 
       for (int i = 0; i < MR; ++i) {
         const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(h[i][u], 8), l[i][u]);
         f[i][u] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sum), f[i][u]);
-        f[i][u] = _mm512_fmadd_ps(m, _mm512_set1_ps(asum[i * B + b]), f[i][u]);
+        f[i][u] = _mm512_fmadd_ps(m, _mm512_set1_ps(static_cast<float>(asum[i * B + b])), f[i][u]);
       }
     }
   });
@@ -2102,12 +2118,8 @@ template <int MR, int NT>
 inline void q8_tile(const uint8_t* hi, const uint8_t* lo, int64_t K, const uint8_t* w, int64_t bstride,
                     const float* xs, const float* bias, float* y, int64_t ldy, bool accumulate, bool prefetch) {
   block_tiles<MR, NT, kQ8BlockBytes>(K / 32, w, bstride, xs, bias, y, ldy, accumulate, prefetch,
-                                     [&](const uint8_t* blk, int64_t b, __m512 (&f)[MR][NT]) {
-    __m512i h[MR][NT], l[MR][NT];
-#pragma GCC unroll 5
-    for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 4
-      for (int u = 0; u < NT; ++u) h[i][u] = l[i][u] = _mm512_setzero_si512();
+                                     [&](const uint8_t* blk, int64_t b, __m512 (&f)[MR][NT], __m512i (&h)[MR][NT],
+                                         __m512i (&l)[MR][NT]) {
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       __m512i c[NT];
@@ -2147,20 +2159,10 @@ inline void q8_tile(const uint8_t* hi, const uint8_t* lo, int64_t K, const uint8
 template <bool Q8 = false>
 void linear_q4_tiles(const float* x, int64_t M, int64_t ldx, const uint8_t* wt, int64_t N, int64_t K,
                      const float* bias, float* y, int64_t ldy, bool accumulate) {
-  const ByteRows rows_q = byte_rows(x, M, ldx, K, Q8);
+  const ByteRows rows_q = byte_rows(x, M, ldx, K, Q8, !Q8);  // 4-bit blocks need each block's sum of a
   constexpr int64_t kBlockBytes = Q8 ? kQ8BlockBytes : kQ4BlockBytes;
   const int64_t B = K / 32, tiles = N / kQ4Tile;
-  thread_local std::vector<float> asum;  // [M, B]: each block's sum of an input row's int16 values
-  if (!Q8) {
-    asum.resize(M * B);
-    for (int64_t i = 0; i < M; ++i)
-      for (int64_t b = 0; b < B; ++b) {
-        int32_t t = 0;
-        for (int64_t k = 32 * b; k < 32 * b + 32; ++k) t += 256 * rows_q.hi[i * K + k] + rows_q.lo[i * K + k];
-        asum[i * B + b] = static_cast<float>(t);
-      }
-  }
-  const float* as = asum.data();
+  const int32_t* as = rows_q.sums;
   at::parallel_for(0, (tiles + kQ4Group - 1) / kQ4Group, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t t0 = g * kQ4Group, t1 = std::min<int64_t>(tiles, t0 + kQ4Group);
@@ -2250,11 +2252,15 @@ inline void dot8_queries_of(const float* const* q, const KeyPairs& key, float* c
 }
 
 // dot8_queries_of keys j .. j + 7 of the cache (rows of k, 64 values each).
+// Keys 2i and 2i + 1 of k (rows of 64 values) at values d .. d + 7, in one register.
+template <typename KT>
+inline __m512 key_pair(const KT* k, int i, int64_t d) {
+  return load8_pair(k + 2 * i * kGroupedHeadDim + d, k + (2 * i + 1) * kGroupedHeadDim + d);
+}
+
 template <int QN, typename KT>
 inline void dot8_queries(const float* const* q, const KT* k, float* const* out) {
-  constexpr int64_t D = kGroupedHeadDim;
-  dot8_queries_of<QN>(q, [k](int i, int64_t d) { return load8_pair(k + 2 * i * D + d, k + (2 * i + 1) * D + d); },
-                      out);
+  dot8_queries_of<QN>(q, [k](int i, int64_t d) { return key_pair(k, i, d); }, out);
 }
 
 // weighted_rows for QN queries over the same value rows j0 .. j1 - 1: each row is loaded once
@@ -2417,6 +2423,33 @@ inline void block_scores(int64_t n, int64_t j0, const KT* K, int64_t D, int64_t 
     if (end(a, j0) > j0) scores(query(a), K, j0, end(a, j0), D, p + a * S);
 }
 
+#if defined(__AVX512F__)
+// block_weighted's grouped part, for head dimension kGroupedHeadDim: the queries in groups of up to
+// G, each group sharing the value rows all of them attend to, read from `rows` (whose row 0 is the
+// block's row `first`: the cache itself with first 0, or the block widened, first j0); each query's
+// other rows from the cache. Each output element is the same fma chain however they are grouped.
+template <int G, typename KT, typename RT, typename End, typename Out>
+inline void weighted_groups(int64_t n, int64_t j0, const KT* V, const RT* rows, int64_t first, int64_t S,
+                            const float* p, const End& end, const Out& out) {
+  for (int64_t a = 0; a < n;) {
+    const int64_t take = std::min<int64_t>(G, n - a);
+    int64_t common = end(a, j0);
+    for (int64_t x = 1; x < take; ++x) common = std::min(common, end(a + x, j0));
+    common = std::max(common, j0);
+    const float* pp[G];
+    float* o[G];
+    for (int64_t x = 0; x < take; ++x) {
+      pp[x] = p + (a + x) * S + first;
+      o[x] = out(a + x);
+    }
+    with_rows<G>(take, [&](auto QN) { weighted_queries<QN>(pp, rows, j0 - first, common - first, o); });
+    for (int64_t x = 0; x < take; ++x)
+      if (end(a + x, j0) > common) weighted_rows(p + (a + x) * S, V, common, end(a + x, j0), kGroupedHeadDim, o[x]);
+    a += take;
+  }
+}
+#endif
+
 // The weighted sums of the same block: out(a) (+)= p[a * S + j] * V[j] over the block's keys of
 // query a, in order. With head_dim 64 on AVX-512, up to 4 queries share each value row over the
 // rows all of them attend to; each output element is the same fma chain however they are grouped.
@@ -2425,25 +2458,7 @@ inline void block_weighted(int64_t n, int64_t j0, const KT* V, int64_t D, int64_
                            const End& end, const Out& out) {
   int64_t a = 0;
 #if defined(__AVX512F__)
-  while (D == kGroupedHeadDim && a < n) {
-    const int64_t take = std::min<int64_t>(4, n - a);
-    int64_t common = end(a, j0);
-    for (int64_t x = 1; x < take; ++x) common = std::min(common, end(a + x, j0));
-    common = std::max(common, j0);
-    const float* pp[4];
-    float* o[4];
-    for (int64_t x = 0; x < take; ++x) {
-      pp[x] = p + (a + x) * S;
-      o[x] = out(a + x);
-    }
-    if (take == 4) weighted_queries<4>(pp, V, j0, common, o);
-    else if (take == 3) weighted_queries<3>(pp, V, j0, common, o);
-    else if (take == 2) weighted_queries<2>(pp, V, j0, common, o);
-    else weighted_queries<1>(pp, V, j0, common, o);
-    for (int64_t x = 0; x < take; ++x)
-      if (end(a + x, j0) > common) weighted_rows(pp[x], V, common, end(a + x, j0), D, o[x]);
-    a += take;
-  }
+  if (D == kGroupedHeadDim) return weighted_groups<4>(n, j0, V, V, 0, S, p, end, out);
 #else
   for (; D == kGroupedHeadDim && a + 3 <= n; a += 3) {  // threes over the rows all three attend to
     const int64_t common = std::max(j0, std::min({end(a, j0), end(a + 1, j0), end(a + 2, j0)}));
@@ -2483,7 +2498,7 @@ inline void widen_key_pairs(const KT* k, int64_t groups, float* dst) {
     for (int64_t d = 0; d < D; d += 8)
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i, dst += 16)
-        _mm512_storeu_ps(dst, load8_pair(k + 2 * i * D + d, k + (2 * i + 1) * D + d));
+        _mm512_storeu_ps(dst, key_pair(k, i, d));
 }
 
 // Rows v[0 .. rows) of 64 values widened to float32 into dst, in the same order.
@@ -2523,30 +2538,6 @@ inline void block_scores_wide(int64_t n, int64_t j0, const KT* K, const float* k
   }
 }
 
-// block_weighted for a wide item, the block's values j0 .. j0 + rows - 1 widened in vs: groups of
-// queries share each widened row over the rows all of them attend to; each query's other rows go
-// through `weighted_rows`, from the cache. Each output element is the same fma chain.
-template <typename KT, typename End, typename Out>
-inline void block_weighted_wide(int64_t n, int64_t j0, const KT* V, const float* vs, int64_t S,
-                                const float* p, const End& end, const Out& out) {
-  constexpr int64_t D = kGroupedHeadDim;
-  for (int64_t a = 0; a < n;) {
-    const int64_t take = std::min<int64_t>(kWideQueries, n - a);
-    int64_t common = end(a, j0);
-    for (int64_t x = 1; x < take; ++x) common = std::min(common, end(a + x, j0));
-    common = std::max(common, j0);
-    const float* pp[kWideQueries];
-    float* o[kWideQueries];
-    for (int64_t x = 0; x < take; ++x) {
-      pp[x] = p + (a + x) * S + j0;
-      o[x] = out(a + x);
-    }
-    with_rows<kWideQueries>(take, [&](auto QN) { weighted_queries<QN>(pp, vs, 0, common - j0, o); });
-    for (int64_t x = 0; x < take; ++x)
-      if (end(a + x, j0) > common) weighted_rows(p + (a + x) * S, V, common, end(a + x, j0), D, o[x]);
-    a += take;
-  }
-}
 #endif
 
 // A weight matrix [N, K] and, for int8, its per-row scales [N] (undefined otherwise).
@@ -3855,7 +3846,7 @@ class FastLlamaKernel {
             const float* vs = wbuf.data();
             if constexpr (std::is_same_v<KT, float>) vs = V + j0 * D;
             else widen_rows(V + j0 * D, std::min(j0 + JB, cmax) - j0, wbuf.data());
-            block_weighted_wide(n, j0, V, vs, P, pbuf.data(), end, out);
+            weighted_groups<kWideQueries>(n, j0, V, vs, j0, P, pbuf.data(), end, out);
             continue;
           }
 #endif
