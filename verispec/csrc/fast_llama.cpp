@@ -2703,6 +2703,15 @@ void check_q4_packed(const at::Tensor& t, int64_t n, int64_t k, bool q8 = false)
               "an int4 matrix must be ", q8 ? "q8_pack" : "q4_pack", "'s output for [", n, ", ", k, "]");
 }
 
+// The order both block layouts keep: tiles in groups of kQ4Group, and in each group the tiles' first
+// blocks, then their second, and so on; `fill(at, t, b)` writes tile t's block b, `bytes` long, at at.
+template <typename Fill>
+void each_tile_block(int64_t tiles, int64_t B, int64_t bytes, uint8_t* at, const Fill& fill) {
+  for (int64_t t0 = 0; t0 < tiles; t0 += kQ4Group)
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = t0; t < std::min<int64_t>(tiles, t0 + kQ4Group); ++t, at += bytes) fill(at, t, b);
+}
+
 // `q8_pack`: exact 8-bit blocks (q [N, K / 32, 32] int8, d [N, K / 32] float32) in `q8_tile`'s
 // layout, [N / 16 * K / 32 * 640] uint8.
 at::Tensor q8_pack_op(const at::Tensor& q, const at::Tensor& d) {
@@ -2715,21 +2724,17 @@ at::Tensor q8_pack_op(const at::Tensor& q, const at::Tensor& d) {
   auto out = at::empty({N / kQ4Tile * B * kQ8BlockBytes}, q.options().dtype(at::kByte));
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* dp = d.data_ptr<float>();
-  uint8_t* o = out.data_ptr<uint8_t>();
-  const int64_t tiles = N / kQ4Tile;
-  for (int64_t t0 = 0; t0 < tiles; t0 += kQ4Group)
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t t = t0; t < std::min<int64_t>(tiles, t0 + kQ4Group); ++t, o += kQ8BlockBytes) {
-        float* dd = reinterpret_cast<float*>(o + 512);
-        int32_t* sums = reinterpret_cast<int32_t*>(o + 576);
-        for (int64_t r = 0; r < kQ4Tile; ++r) {
-          const int8_t* codes = qp + ((t * kQ4Tile + r) * B + b) * 32;
-          for (int64_t j = 0; j < 8; ++j) std::memcpy(o + 64 * j + 4 * r, codes + 4 * j, 4);
-          dd[r] = dp[(t * kQ4Tile + r) * B + b];
-          sums[r] = 0;
-          for (int64_t k = 0; k < 32; ++k) sums[r] += codes[k];
-        }
-      }
+  each_tile_block(N / kQ4Tile, B, kQ8BlockBytes, out.data_ptr<uint8_t>(), [&](uint8_t* o, int64_t t, int64_t b) {
+    float* dd = reinterpret_cast<float*>(o + 512);
+    int32_t* sums = reinterpret_cast<int32_t*>(o + 576);
+    for (int64_t r = 0; r < kQ4Tile; ++r) {
+      const int8_t* codes = qp + ((t * kQ4Tile + r) * B + b) * 32;
+      for (int64_t j = 0; j < 8; ++j) std::memcpy(o + 64 * j + 4 * r, codes + 4 * j, 4);
+      dd[r] = dp[(t * kQ4Tile + r) * B + b];
+      sums[r] = 0;
+      for (int64_t k = 0; k < 32; ++k) sums[r] += codes[k];
+    }
+  });
   return out;
 }
 
@@ -2760,19 +2765,15 @@ at::Tensor q4_pack_op(const at::Tensor& q, const at::Tensor& dm) {
   auto out = at::empty({N / kQ4Tile * B * kQ4BlockBytes}, q.options());
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* dp = dm.data_ptr<float>();
-  uint8_t* o = out.data_ptr<uint8_t>();
-  const int64_t tiles = N / kQ4Tile;
-  for (int64_t t0 = 0; t0 < tiles; t0 += kQ4Group)
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t t = t0; t < std::min<int64_t>(tiles, t0 + kQ4Group); ++t, o += kQ4BlockBytes) {
-        float* d = reinterpret_cast<float*>(o + 256);
-        for (int64_t r = 0; r < kQ4Tile; ++r) {
-          const int64_t n = t * kQ4Tile + r;
-          for (int64_t j = 0; j < 4; ++j) std::memcpy(o + 64 * j + 4 * r, qp + (n * B + b) * 16 + 4 * j, 4);
-          d[r] = dp[(n * B + b) * 2];
-          d[kQ4Tile + r] = dp[(n * B + b) * 2 + 1];
-        }
-      }
+  each_tile_block(N / kQ4Tile, B, kQ4BlockBytes, out.data_ptr<uint8_t>(), [&](uint8_t* o, int64_t t, int64_t b) {
+    float* d = reinterpret_cast<float*>(o + 256);
+    for (int64_t r = 0; r < kQ4Tile; ++r) {
+      const int64_t n = t * kQ4Tile + r;
+      for (int64_t j = 0; j < 4; ++j) std::memcpy(o + 64 * j + 4 * r, qp + (n * B + b) * 16 + 4 * j, 4);
+      d[r] = dp[(n * B + b) * 2];
+      d[kQ4Tile + r] = dp[(n * B + b) * 2 + 1];
+    }
+  });
   return out;
 }
 

@@ -111,6 +111,8 @@ logger = logging.getLogger(__name__)
 _SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 DTYPES = ("float32", "bfloat16", "int8", "int4")
 """Weight formats of ``FastLlama.from_hf`` (the matrices only; everything else stays float32)."""
+KERNEL_ONLY_DTYPES = ("int4",)
+"""Formats whose layers the kernel alone holds (int4's 4-bit tiles): no torch path serves them."""
 # RoPE variants whose frequencies do not depend on the sequence length, so a precomputed table is
 # exact. ("dynamic" and "longrope" rescale with the length and are not supported.)
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
@@ -929,7 +931,7 @@ class FastLlama:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
         kernel_off = use_kernel is False or os.environ.get("VERISPEC_NO_KERNEL", "") not in ("", "0")
-        if dtype == "int4" and kernel_off:
+        if dtype in KERNEL_ONLY_DTYPES and kernel_off:
             from verispec.config import ConfigError
 
             raise ConfigError("int4 weights run on the C++ kernel only; it is turned off here")
@@ -1027,6 +1029,12 @@ class FastLlama:
                 k.set_vnni_tiles(True)
             k.set_amx_rows(self.amx_rows)
         return k
+
+    @property
+    def kernel_only(self) -> bool:
+        """Whether every call must run on the kernel (``KERNEL_ONLY_DTYPES``): its prompts are never
+        handed to the torch path (``kernel_prefill_max`` unbounded), nor are wide trees of drafts."""
+        return self.dtype in KERNEL_ONLY_DTYPES
 
     @property
     def uses_kernel(self) -> bool:
@@ -1181,7 +1189,7 @@ class FastLlama:
                 raise ValueError(f"offsets must be {tuple(ids.shape)}, got {tuple(offsets.shape)}")
             if bool(((offsets < 0) | (offsets > torch.arange(T))).any()):
                 raise ValueError("offsets[i, t] must lie in [0, t]")
-            if self._kernel is not None and (T <= self.kernel_max_tokens or self.dtype == "int4"):
+            if self._kernel is not None and (T <= self.kernel_max_tokens or self.kernel_only):
                 out = self._forward_kernel(ids, idx, starts, logits, offsets)
             else:
                 tree = functools.partial(self._forward_torch, offsets=offsets)
@@ -1362,8 +1370,8 @@ class FastLlama:
         ``offsets`` ``[n, T]``: a tree of drafts (see ``forward``).
         With ``record_hidden``, keeps the final residual stream ``[n, T, hidden]`` in ``last_hidden``.
         """
-        if self.dtype == "int4":  # its layers are held only as the kernel's 4-bit blocks
-            raise RuntimeError("int4 weights run on the C++ kernel only")
+        if self.kernel_only:
+            raise RuntimeError(f"{self.dtype} weights run on the C++ kernel only")
         w = self._w
         n, T = ids.shape
         Hq, Hkv, D = self._n_heads, self._n_kv, self._head_dim

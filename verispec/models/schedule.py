@@ -528,7 +528,7 @@ def apply_prefill(model: Any) -> int:
     for small models, else the cached crossing for this CPU, format and size, else
     :func:`measure_crossing`, cached. int4 weights have no torch path: every prompt runs on the
     kernel."""
-    if model.dtype == "int4":
+    if getattr(model, "kernel_only", False):
         return model.kernel_prefill_max[model.dtype]
     value = _env_tokens(PREFILL_ENV)
     if value is None and model.weight_bytes() < MIN_TUNED_BYTES:
