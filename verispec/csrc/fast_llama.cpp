@@ -2014,7 +2014,10 @@ constexpr int64_t kQ8BlockBytes = 512 + 2 * 16 * 4;     // codes, d, code sums o
 // .. 16 + 4j + 3 (high nibbles), so one `and` gives the 16 rows' 4 codes of one column quad in each
 // 32-bit lane, and a shift and an `and` the other quad.
 constexpr int kQ4Rows = 5;                              // input rows per pass at most
-constexpr int64_t kQ4Prefetch = 16 * 1024;              // the first pass asks for bytes this far ahead
+// The first pass asks for bytes this far ahead, into L2 (`_MM_HINT_T1`): into L1 instead, int4
+// greedy steps cost 7-20% more (SmolLM2-135M at 200 cached tokens, benchmarks/kernel_ab.py, min
+// ms T0 / T1: 1 token 3.94 / 3.52, 2 tokens 5.44 / 4.64, 3 6.82 / 5.41, 5 8.01 / 7.62).
+constexpr int64_t kQ4Prefetch = 16 * 1024;
 
 // Tiles for MR input rows at a time: registers 3 MR NT (sums) + 2 NT (codes) + 4 (broadcasts) <= 32.
 constexpr int q4_tiles_for(int mr) { return mr == 1 ? 4 : mr <= 3 ? 2 : 1; }
@@ -2035,7 +2038,7 @@ inline void block_tiles(int64_t B, const uint8_t* w, int64_t bstride, const floa
     const uint8_t* blk = w + b * bstride;
     if (prefetch)
       for (int64_t o = 0; o < NT * BlockBytes; o += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(blk + kQ4Prefetch + o), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(blk + kQ4Prefetch + o), _MM_HINT_T1);
     __m512i h[MR][NT], l[MR][NT];
 #pragma GCC unroll 5
     for (int i = 0; i < MR; ++i)
