@@ -1,10 +1,12 @@
-"""int4 weights: a model's own Q4_1 layer blocks multiplied in integers (``--dtype int4``).
+"""int4 and w4a8 weights: a model's own Q4_1 layer blocks multiplied in integers (``--dtype int4``).
 
-The format keeps a Q4_1 GGUF's layer weights exact (int8 rounds them again per row) and multiplies
-them by the same int16 activations as int8 (the kernel's ``linear_q4_tiles``); the embedding and
-head are int8. These tests build a tiny Llama whose layer matrices are exact Q4_1 blocks, and check
-what speculative decoding relies on (no logit depends on how many tokens share a call), closeness
-to the float32 model, and the clear errors where the format cannot run.
+int4 keeps a Q4_1 GGUF's layer weights exact (int8 rounds them again per row) and multiplies them
+by the same int16 activations as int8 (the kernel's ``linear_q4_tiles``); the embedding and head
+are the GGUF's Q8_0 blocks. w4a8 holds the same weights and rounds the activations of its products
+to 8 bits per block of 32 instead (half the integer work). These tests build a tiny Llama whose
+layer matrices are exact Q4_1 blocks, and check what speculative decoding relies on (no logit
+depends on how many tokens share a call), closeness to the float32 model, and the clear errors
+where the formats cannot run.
 """
 
 from __future__ import annotations
@@ -64,13 +66,14 @@ def _q4_llama(seed: int = 3, tied: bool = True) -> LlamaForCausalLM:
 
 
 @requires_vnni
-def test_int4_logits_do_not_depend_on_how_many_tokens_share_a_call() -> None:
+@pytest.mark.parametrize("dtype", ["int4", "w4a8"])
+def test_int4_logits_do_not_depend_on_how_many_tokens_share_a_call(dtype: str) -> None:
     """A prompt whole, in kernel pieces, and one token at a time; decoding steps of 1, 5 and 9
     tokens (and a row alone against two rows): every logit bitwise the same."""
     hf = _q4_llama()
     ids = torch.randint(0, VOCAB, (2, 90), generator=torch.Generator().manual_seed(1))
-    fast = FastLlama.from_hf(hf, dtype="int4", max_batch_size=2)
-    assert fast.uses_kernel and fast.dtype == "int4"
+    fast = FastLlama.from_hf(hf, dtype=dtype, max_batch_size=2)
+    assert fast.uses_kernel and fast.dtype == dtype
     whole = fast.forward(ids)
     fast.reset(2)
     fast.kernel_prefill_piece = 32
@@ -114,13 +117,33 @@ def test_int4_stays_close_to_float32_and_its_layers_are_exact(tied: bool) -> Non
 
 
 @requires_vnni
-def test_int4_greedy_speculation_is_plain_greedy() -> None:
-    """Prompt lookup over int4 weights gives exactly plain greedy decoding's tokens."""
+def test_w4a8_rounds_only_the_activations() -> None:
+    """w4a8 holds int4's weights (the same layout) and rounds its products' activations to 8 bits
+    per block: its logits are further from float32's than int4's, by about what 8-bit activations
+    cost (on this tiny model as much as int8's rounded weights; on the default model less, by
+    ``benchmarks/format_agreement.py``)."""
+    hf = _q4_llama(seed=5)
+    ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(2))
+    ref = FastLlama.from_hf(hf, dtype="float32", use_kernel=True).forward(ids)
+    errors = {}
+    for dtype in ("int4", "w4a8", "int8"):
+        errors[dtype] = float(
+            (FastLlama.from_hf(hf, dtype=dtype, use_kernel=True).forward(ids) - ref).abs().max()
+        )
+    assert errors["int4"] * 5 < errors["w4a8"] < 2 * errors["int8"]
+    w4a8 = FastLlama.from_hf(hf, dtype="w4a8")
+    assert w4a8._w["layers"][0]["wgu"] is None and w4a8._w["head_q8i"] is not None
+
+
+@requires_vnni
+@pytest.mark.parametrize("dtype", ["int4", "w4a8"])
+def test_int4_greedy_speculation_is_plain_greedy(dtype: str) -> None:
+    """Prompt lookup over int4 (w4a8) weights gives exactly plain greedy decoding's tokens."""
     from verispec.api import speculative_generate
     from verispec.proposers import PromptLookup
 
     hf = _q4_llama(seed=7)
-    fast = FastLlama.from_hf(hf, dtype="int4")
+    fast = FastLlama.from_hf(hf, dtype=dtype)
     prompt = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(3))
     prompt = torch.cat([prompt, prompt[:, :12]], dim=1)  # something to look up
     kw = {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}
@@ -132,9 +155,10 @@ def test_int4_greedy_speculation_is_plain_greedy() -> None:
 
 
 @requires_vnni
-def test_int4_refuses_a_model_without_q4_blocks_and_the_torch_path() -> None:
+@pytest.mark.parametrize("dtype", ["int4", "w4a8"])
+def test_int4_refuses_a_model_without_q4_blocks_and_the_torch_path(dtype: str) -> None:
     hf = tiny_llama(VOCAB, seed=3, hidden=64, dtype=torch.float32)  # random weights: no blocks
     with pytest.raises(ValueError, match="exact Q4_1 blocks"):
-        FastLlama.from_hf(hf, dtype="int4")
-    with pytest.raises(ValueError, match="C\\+\\+ kernel only"):
-        FastLlama.from_hf(_q4_llama(), dtype="int4", use_kernel=False)
+        FastLlama.from_hf(hf, dtype=dtype)
+    with pytest.raises(ValueError, match=f"{dtype} weights run on the C\\+\\+ kernel only"):
+        FastLlama.from_hf(_q4_llama(), dtype=dtype, use_kernel=False)

@@ -147,3 +147,74 @@ def test_q8_products_are_the_integer_sums(n: int, k: int, m: int) -> None:
     assert ((y.double() - want).abs() <= (3 * (k // 32) + 1) * 2.0**-24 * size).all()
     alone = torch.cat([KERNEL.q4_linear(x[i : i + 1].contiguous(), packed, n, q8=True) for i in range(m)])
     assert torch.equal(alone, y)
+
+
+def _blocks8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` ``[M, K]`` as the kernel's 8-bit activation blocks (w4a8): per 32 columns ``da = max |x| /
+    127`` and ``a = round_half_even(x * (127 / max |x|))`` in float32 (a zero block: 0 and 0), and
+    ``sa = da * sum a`` rounded to float32. Returns ``a`` ``[M, B, 32]`` float64, ``da`` and ``sa``
+    ``[M, B]`` float32."""
+    m, k = x.shape
+    blocks = x.view(m, k // 32, 32)
+    amax = blocks.abs().amax(-1)  # [M, B]
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    a = (blocks * inv[..., None]).round()
+    da = torch.where(amax > 0, amax / 127.0, torch.zeros_like(amax))
+    return a.double(), da, (da.double() * a.sum(-1).double()).float()
+
+
+@requires_vnni
+@pytest.mark.parametrize(("n", "k"), [(16, 32), (80, 96), (64, 576), (96, 1536)])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 7, 8, 9, 17])
+def test_q4_products_with_8bit_activations_are_the_integer_sums(n: int, k: int, m: int) -> None:
+    """w4a8: 8-bit blocks of activations against 4-bit blocks of weights. Against float64 sums of
+    the same codes, to float32 rounding of each output's chain ((d * da) * S, then m * sa, per
+    block); passes of 1-8 input rows and their remainders, 1-4 tiles at a time. The products are
+    much further from float32's than int4's int16 activations, and each row's outputs do not depend
+    on the others of a call."""
+    w = _q4_matrix(n, k, seed=n + k + 1)
+    q, dm = _q4_blocks(w)
+    packed = KERNEL.q4_pack(q, dm)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + 1))
+    y = KERNEL.q4_linear(x, packed, n, a8=True)
+    a, da, sa = _blocks8(x)
+    codes = torch.cat([q & 15, q >> 4], dim=-1).double()  # [N, B, 32]
+    s = torch.einsum("mbk,nbk->mnb", a, codes)  # [M, N, B], exact integers
+    dd = (dm[None, :, :, 0] * da[:, None, :]).double()  # [M, N, B]: d * da, rounded as the kernel does
+    mins = dm[None, :, :, 1].double()
+    want = (dd * s + mins * sa.double()[:, None, :]).sum(-1)
+    size = (
+        dd.abs() * torch.einsum("mbk,nbk->mnb", a.abs(), codes) + (mins * sa.double()[:, None, :]).abs()
+    ).sum(-1)
+    assert ((y.double() - want).abs() <= 2 * (k // 32) * 2.0**-24 * size).all()
+    ref = x @ w.T
+    a16_err = (KERNEL.q4_linear(x, packed, n) - ref).abs().max()
+    assert a16_err * 10 < (y - ref).abs().max() < 2e-2 * ref.abs().max()
+    alone = torch.cat([KERNEL.q4_linear(x[i : i + 1].contiguous(), packed, n, a8=True) for i in range(m)])
+    assert torch.equal(alone, y)
+    bias = torch.randn(n)
+    torch.testing.assert_close(KERNEL.q4_linear(x, packed, n, bias, a8=True), y + bias, rtol=0, atol=0)
+
+
+@requires_vnni
+@pytest.mark.parametrize("m", [1, 5, 9])
+def test_q8_products_with_8bit_activations_are_the_integer_sums(m: int) -> None:
+    """The head's 8-bit blocks against 8-bit activation blocks (offset by 128 and taken back out
+    with each block's code sum): the float64 sums to float32 rounding; a zero block adds nothing."""
+    n, k = 80, 96
+    w = _q8_matrix(n, k, seed=m + 3)
+    q, d = fast_llama._q8_blocks(w)
+    packed = KERNEL.q8_pack(q, d)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    x[:, 32:64] = 0.0
+    y = KERNEL.q4_linear(x, packed, n, q8=True, a8=True)
+    a, da, _ = _blocks8(x)
+    s = torch.einsum("mbk,nbk->mnb", a, q.double())  # [M, N, B]
+    dd = (d[None] * da[:, None, :]).double()
+    want = (dd * s).sum(-1)
+    size = (dd.abs() * torch.einsum("mbk,nbk->mnb", a.abs(), q.abs().double())).sum(-1)
+    assert ((y.double() - want).abs() <= 2 * (k // 32) * 2.0**-24 * size).all()
+    alone = torch.cat(
+        [KERNEL.q4_linear(x[i : i + 1].contiguous(), packed, n, q8=True, a8=True) for i in range(m)]
+    )
+    assert torch.equal(alone, y)

@@ -102,7 +102,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         default="float32",
-        help="our weight format(s), comma list of float32, bfloat16, int8, int4; each its own plain baseline",
+        help="our weight format(s), comma list of float32, bfloat16, int8, int4, w4a8; each its own plain "
+        "baseline",
     )
     p.add_argument("--backend", default="auto", choices=["auto", "fast", "hf"])
     add_device_argument(p)

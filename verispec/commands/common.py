@@ -37,8 +37,8 @@ def add_model_arguments(p: argparse.ArgumentParser, *, draft_flag: str = "--draf
         "--dtype",
         default="float32",
         choices=DTYPES,
-        help="weight format of the fast path: float32 (exact), bfloat16, int8 (per-row scales), or int4 "
-        "(a Q4_1 GGUF's own layer blocks in integer products)",
+        help="weight format of the fast path: float32 (exact), bfloat16, int8 (per-row scales), int4 "
+        "(a Q4_1 GGUF's own layer blocks in integer products) or w4a8 (int4's weights, 8-bit activations)",
     )
     p.add_argument("--backend", default="auto", choices=["auto", "fast", "hf"], help="model implementation")
     add_device_argument(p)

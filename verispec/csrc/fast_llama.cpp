@@ -2025,7 +2025,7 @@ constexpr int q4_tiles_for(int mr) { return mr == 1 ? 4 : mr <= 3 ? 2 : 1; }
 // The loop both block formats share: MR input rows against NT tiles (tile u's block b at w + b *
 // bstride + u * BlockBytes), `block(blk, b, f, h, l)` adding block b into the float32 sums f[MR][NT]
 // by way of the two integer sums h and l (zeroed for each block), then each output scaled by its
-// row's xs with the bias in one fma, stored or added.
+// row's xs with the bias in one fma (or, with xs null, the bias added), stored or added.
 template <int MR, int NT, int64_t BlockBytes, typename Block>
 inline void block_tiles(int64_t B, const uint8_t* w, int64_t bstride, const float* xs, const float* bias, float* y,
                         int64_t ldy, bool accumulate, bool prefetch, const Block& block) {
@@ -2051,7 +2051,7 @@ inline void block_tiles(int64_t B, const uint8_t* w, int64_t bstride, const floa
 #pragma GCC unroll 4
     for (int u = 0; u < NT; ++u) {
       const __m512 bv = bias != nullptr ? _mm512_loadu_ps(bias + kQ4Tile * u) : _mm512_setzero_ps();
-      __m512 o = _mm512_fmadd_ps(f[i][u], _mm512_set1_ps(xs[i]), bv);
+      __m512 o = xs != nullptr ? _mm512_fmadd_ps(f[i][u], _mm512_set1_ps(xs[i]), bv) : _mm512_add_ps(f[i][u], bv);
       float* out = y + i * ldy + kQ4Tile * u;
       if (accumulate) o = _mm512_add_ps(_mm512_loadu_ps(out), o);
       _mm512_storeu_ps(out, o);
@@ -2155,15 +2155,163 @@ inline void q8_tile(const uint8_t* hi, const uint8_t* lo, int64_t K, const uint8
   });
 }
 
+// 8-bit activations per block of 32 columns (the w4a8 format, session 42): each block of a row is
+// x ~= da * a, a int8 in -127..127 rounded to nearest (ties to even), da = max |x| / 127 over the
+// block (0 for a block of zeros, or one holding a NaN or an inf: its codes are 0), and sa = da *
+// sum a, the block's sum as the codes give it. With `offset`, a is stored plus 128 as an unsigned
+// byte (against signed weight codes, `q8a8_tile`). a [M, K] bytes, da and sa [M, K / 32].
+inline void quantize_blocks8(const float* x, int64_t M, int64_t ldx, int64_t K, uint8_t* a, float* da, float* sa,
+                             bool offset) {
+  const __m512i flip = _mm512_set1_epi32(offset ? 0x80 : 0);
+  const int64_t B = K / 32;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < B; ++b) {
+      const float* r = x + m * ldx + 32 * b;
+      const __m512 v0 = _mm512_loadu_ps(r), v1 = _mm512_loadu_ps(r + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const bool bad = (_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q)) != 0;
+      uint8_t* out = a + m * K + 32 * b;
+      if (bad || !(amax > 0.0f) || !std::isfinite(amax)) {
+        std::memset(out, offset ? 0x80 : 0, 32);
+        da[m * B + b] = sa[m * B + b] = 0.0f;
+        continue;
+      }
+      const __m512 inv = _mm512_set1_ps(127.0f / amax);
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));  // |q| <= 127
+      const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(_mm512_xor_si512(q0, flip)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtepi32_epi8(_mm512_xor_si512(q1, flip)));
+      const float d = amax / 127.0f;
+      da[m * B + b] = d;
+      sa[m * B + b] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+    }
+}
+
+// x [M, K] quantised into this thread's buffers by `quantize_blocks8`.
+struct BlockRows8 {
+  const uint8_t* a;  // [M, K]
+  const float* da;   // [M, K / 32]
+  const float* sa;   // [M, K / 32]
+};
+inline BlockRows8 block_rows8(const float* x, int64_t M, int64_t ldx, int64_t K, bool offset) {
+  thread_local std::vector<uint8_t> a;
+  thread_local std::vector<float> da, sa;
+  a.resize(M * K);
+  da.resize(M * (K / 32));
+  sa.resize(M * (K / 32));
+  quantize_blocks8(x, M, ldx, K, a.data(), da.data(), sa.data(), offset);
+  return {a.data(), da.data(), sa.data()};
+}
+
+// MR input rows of 8-bit blocks (`quantize_blocks8`) against NT tiles of 4-bit blocks (`q4_pack`): a
+// block's sum S = sum q a is exact in int32 (|S| <= 15 * 127 * 32) and in float32; each output runs
+// one fma chain over its row's blocks, (d * da) * S, then m * sa, per block. One `vpdpbusd` per 4
+// weights and row, half of `q4_tile`'s.
+template <int MR, int NT>
+inline void q4a8_tile(const uint8_t* a, const float* da, const float* sa, int64_t K, const uint8_t* w,
+                      int64_t bstride, const float* bias, float* y, int64_t ldy, bool accumulate, bool prefetch) {
+  const int64_t B = K / 32;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  block_tiles<MR, NT, kQ4BlockBytes>(B, w, bstride, nullptr, bias, y, ldy, accumulate, prefetch,
+                                     [&](const uint8_t* blk, int64_t b, __m512 (&f)[MR][NT], __m512i (&h)[MR][NT],
+                                         __m512i (&)[MR][NT]) {
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      __m512i c0[NT], c1[NT];
+#pragma GCC unroll 4
+      for (int u = 0; u < NT; ++u) {
+        const __m512i v = _mm512_loadu_si512(blk + u * kQ4BlockBytes + 64 * j);
+        c0[u] = _mm512_and_si512(v, low4);
+        c1[u] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        const int64_t at = i * K + 32 * b + 4 * j;
+        int32_t a0, a1;
+        std::memcpy(&a0, a + at, 4);
+        std::memcpy(&a1, a + at + 16, 4);
+        const __m512i ab0 = _mm512_set1_epi32(a0), ab1 = _mm512_set1_epi32(a1);
+#pragma GCC unroll 4
+        for (int u = 0; u < NT; ++u) {
+          h[i][u] = dpbusd(h[i][u], c0[u], ab0);  // codes (unsigned) x a (signed)
+          h[i][u] = dpbusd(h[i][u], c1[u], ab1);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int u = 0; u < NT; ++u) {
+      const float* dm = reinterpret_cast<const float*>(blk + u * kQ4BlockBytes + 256);
+      const __m512 d = _mm512_loadu_ps(dm), m = _mm512_loadu_ps(dm + 16);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(da[i * B + b]));
+        f[i][u] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(h[i][u]), f[i][u]);
+        f[i][u] = _mm512_fmadd_ps(m, _mm512_set1_ps(sa[i * B + b]), f[i][u]);
+      }
+    }
+  });
+}
+
+// The same with 8-bit weight blocks (`q8_pack`, signed codes): a goes in offset by 128 (`offset`)
+// and each block's code sum takes it out, S = sum (a + 128) q - 128 sum q, exact (|S| <= 127 * 127
+// * 32); each output's chain adds (d * da) * S per block.
+template <int MR, int NT>
+inline void q8a8_tile(const uint8_t* a, const float* da, int64_t K, const uint8_t* w, int64_t bstride,
+                      const float* bias, float* y, int64_t ldy, bool accumulate, bool prefetch) {
+  const int64_t B = K / 32;
+  block_tiles<MR, NT, kQ8BlockBytes>(B, w, bstride, nullptr, bias, y, ldy, accumulate, prefetch,
+                                     [&](const uint8_t* blk, int64_t b, __m512 (&f)[MR][NT], __m512i (&h)[MR][NT],
+                                         __m512i (&)[MR][NT]) {
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      __m512i c[NT];
+#pragma GCC unroll 4
+      for (int u = 0; u < NT; ++u) c[u] = _mm512_loadu_si512(blk + u * kQ8BlockBytes + 64 * j);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        int32_t av;
+        std::memcpy(&av, a + i * K + 32 * b + 4 * j, 4);
+        const __m512i ab = _mm512_set1_epi32(av);
+#pragma GCC unroll 4
+        for (int u = 0; u < NT; ++u) h[i][u] = dpbusd(h[i][u], ab, c[u]);  // (a + 128) x codes
+      }
+    }
+#pragma GCC unroll 4
+    for (int u = 0; u < NT; ++u) {
+      const uint8_t* tail = blk + u * kQ8BlockBytes + 512;
+      const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(tail));
+      const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(tail + 64), 7);  // 128 * sum q
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(da[i * B + b]));
+        f[i][u] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(_mm512_sub_epi32(h[i][u], offset)), f[i][u]);
+      }
+    }
+  });
+}
+
+constexpr int kQ4A8Rows = 8;  // input rows per pass at most, 8-bit activations
+
+// Tiles for MR input rows at a time with 8-bit activations: registers 2 MR NT (sums) + 2 NT
+// (codes) + 2 (broadcasts) <= 32.
+constexpr int q4a8_tiles_for(int mr) { return mr == 1 ? 4 : mr <= 6 ? 2 : 1; }
+
 // y[M, N] (+)= x[M, K] @ W^T + bias, W [N, K] as exact 4-bit blocks in `q4_pack`'s layout (N % 16 == 0,
 // K % 32 == 0). Threads split groups of kQ4Group tiles; each group meets every input row, up to
 // kQ4Rows at a time, while it sits in L1 / L2; the first pass asks for the next blocks ahead.
-// With Q8: W as exact 8-bit blocks in `q8_pack`'s layout (`q8_tile`), the same way.
-template <bool Q8 = false>
+// With Q8: W as exact 8-bit blocks in `q8_pack`'s layout (`q8_tile`), the same way. With A8: the
+// activations as 8-bit blocks (`quantize_blocks8`; `q4a8_tile`, `q8a8_tile`), up to kQ4A8Rows at a time.
+template <bool Q8 = false, bool A8 = false>
 void linear_q4_tiles(const float* x, int64_t M, int64_t ldx, const uint8_t* wt, int64_t N, int64_t K,
                      const float* bias, float* y, int64_t ldy, bool accumulate) {
-  const ByteRows rows_q = byte_rows(x, M, ldx, K, Q8, !Q8);  // 4-bit blocks need each block's sum of a
+  ByteRows rows_q{};
+  BlockRows8 rows8{};
+  if constexpr (A8)
+    rows8 = block_rows8(x, M, ldx, K, Q8);
+  else
+    rows_q = byte_rows(x, M, ldx, K, Q8, !Q8);  // 4-bit blocks need each block's sum of a
   constexpr int64_t kBlockBytes = Q8 ? kQ8BlockBytes : kQ4BlockBytes;
+  constexpr int kRows = A8 ? kQ4A8Rows : kQ4Rows;
   const int64_t B = K / 32, tiles = N / kQ4Tile;
   const int32_t* as = rows_q.sums;
   at::parallel_for(0, (tiles + kQ4Group - 1) / kQ4Group, 1, [&](int64_t g0, int64_t g1) {
@@ -2175,24 +2323,30 @@ void linear_q4_tiles(const float* x, int64_t M, int64_t ldx, const uint8_t* wt, 
       // of 2 rows by 2 tiles was slower (int4 greedy steps at 200 cached tokens, SmolLM2-135M, two
       // builds alternating, min ms: 2 tokens 5.65 -> 4.85, 1 token 3.76 -> 3.69; one row at a
       // time for 3 tokens no faster, for 4 and 5 slower).
-      const int64_t step = M <= 2 ? 1 : kQ4Rows;
+      const int64_t step = !A8 && M <= 2 ? 1 : kRows;
       for (int64_t m = 0; m < M; m += step) {
         const int64_t mr = std::min<int64_t>(step, M - m);
-        with_rows<kQ4Rows>(mr, [&](auto R) {
-          constexpr int NT = q4_tiles_for(decltype(R)::value);
+        with_rows<kRows>(mr, [&](auto R) {
+          constexpr int MR = decltype(R)::value;
+          constexpr int NT = A8 ? q4a8_tiles_for(MR) : q4_tiles_for(MR);
           for (int64_t t = t0; t < t1; t += NT) {
             with_rows<NT>(std::min<int64_t>(NT, t1 - t), [&](auto T) {
+              constexpr int TN = decltype(T)::value;
               const int64_t j = t * kQ4Tile;
               const uint8_t* tw = gw + (t - t0) * kBlockBytes;
               const float* bj = bias ? bias + j : nullptr;
-              if constexpr (Q8)
-                q8_tile<decltype(R)::value, decltype(T)::value>(
-                    reinterpret_cast<const uint8_t*>(rows_q.hi) + m * K, rows_q.lo + m * K, K, tw, bstride,
-                    rows_q.xs + m, bj, y + m * ldy + j, ldy, accumulate, m == 0);
+              float* yj = y + m * ldy + j;
+              if constexpr (A8 && Q8)
+                q8a8_tile<MR, TN>(rows8.a + m * K, rows8.da + m * B, K, tw, bstride, bj, yj, ldy, accumulate, m == 0);
+              else if constexpr (A8)
+                q4a8_tile<MR, TN>(rows8.a + m * K, rows8.da + m * B, rows8.sa + m * B, K, tw, bstride, bj, yj, ldy,
+                                  accumulate, m == 0);
+              else if constexpr (Q8)
+                q8_tile<MR, TN>(reinterpret_cast<const uint8_t*>(rows_q.hi) + m * K, rows_q.lo + m * K, K, tw,
+                                bstride, rows_q.xs + m, bj, yj, ldy, accumulate, m == 0);
               else
-                q4_tile<decltype(R)::value, decltype(T)::value>(rows_q.hi + m * K, rows_q.lo + m * K, as + m * B, K,
-                                                                tw, bstride, rows_q.xs + m, bj, y + m * ldy + j,
-                                                                ldy, accumulate, m == 0);
+                q4_tile<MR, TN>(rows_q.hi + m * K, rows_q.lo + m * K, as + m * B, K, tw, bstride, rows_q.xs + m, bj,
+                                yj, ldy, accumulate, m == 0);
             });
           }
         });
@@ -2783,19 +2937,19 @@ at::Tensor q4_pack_op(const at::Tensor& q, const at::Tensor& dm) {
 // y [M, N] = x [M, K] @ W^T (+ bias), W in `q4_pack`'s layout: `linear_q4_tiles`, for tests and
 // measurements (AVX-512 VNNI CPUs only).
 at::Tensor q4_linear_op(const at::Tensor& x, const at::Tensor& packed, int64_t N,
-                        const std::optional<at::Tensor>& bias, bool q8) {
+                        const std::optional<at::Tensor>& bias, bool q8, bool a8) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1);
   check_q4_packed(packed, N, K, q8);
   if (bias) TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias [N]");
   auto y = at::empty({M, N}, x.options());
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if (q8)
-    linear_q4_tiles<true>(x.data_ptr<float>(), M, K, packed.data_ptr<uint8_t>(), N, K,
-                          bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), N, false);
-  else
-    linear_q4_tiles(x.data_ptr<float>(), M, K, packed.data_ptr<uint8_t>(), N, K,
-                    bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), N, false);
+  const float* b = bias ? bias->data_ptr<float>() : nullptr;
+  const auto run = [&](auto f) { f(x.data_ptr<float>(), M, K, packed.data_ptr<uint8_t>(), N, K, b, y.data_ptr<float>(), N, false); };
+  if (q8 && a8) run(linear_q4_tiles<true, true>);
+  else if (q8) run(linear_q4_tiles<true, false>);
+  else if (a8) run(linear_q4_tiles<false, true>);
+  else run(linear_q4_tiles<false, false>);
 #else
   TORCH_CHECK(false, "q4_linear needs AVX-512 VNNI");
 #endif
@@ -3084,6 +3238,10 @@ class FastLlamaKernel {
     TORCH_CHECK(false, "int4 weights need a CPU with AVX-512 VNNI");
 #endif
   }
+
+  // Whether the block matrices (`add_layer_q4`, `set_q8i`) take their activations as 8-bit blocks
+  // (`quantize_blocks8`: the w4a8 format) instead of int16 rows (int4).
+  void set_act8(bool on) { act8_ = on; }
 
   // int4's int8 head and embedding (`set_head`, which must come first) also as exact 8-bit blocks in
   // `q8_pack`'s layout (either may be None): head products then multiply them in integers
@@ -3468,12 +3626,15 @@ class FastLlamaKernel {
     }
     if constexpr (std::is_same_v<WT, i8>) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-      if (W.q4i.defined()) {
-        linear_q4_tiles(x, M, K, W.q4i.data_ptr<uint8_t>(), N, K, bias, y, N, accumulate);
-        return;
-      }
-      if (W.q8i.defined()) {
-        linear_q4_tiles<true>(x, M, K, W.q8i.data_ptr<uint8_t>(), N, K, bias, y, N, accumulate);
+      if (W.q4i.defined() || W.q8i.defined()) {
+        const bool q8 = !W.q4i.defined();
+        const uint8_t* wt = (q8 ? W.q8i : W.q4i).data_ptr<uint8_t>();
+        const auto run = [&](auto f) { f(x, M, K, wt, N, K, bias, y, N, accumulate); };
+        if (act8_) {
+          q8 ? run(linear_q4_tiles<true, true>) : run(linear_q4_tiles<false, true>);
+        } else {
+          q8 ? run(linear_q4_tiles<true, false>) : run(linear_q4_tiles<false, false>);
+        }
         return;
       }
 #endif
@@ -3874,6 +4035,7 @@ class FastLlamaKernel {
   int64_t amx_rows_ = 1;  // calls of at least this many rows read the tiles (AMX or VNNI)
   bool kv_half_ = false;  // the caches hold float16, not float32
   int64_t q4_rows_ = kBlockMostRows;  // calls of up to this many tokens read 4-bit blocks (`set_q4`)
+  bool act8_ = false;                 // block matrices (`add_layer_q4`, `set_q8i`) take 8-bit activations
   int64_t head_q8_rows_ = kBlockMostRows;  // whole-head logits of up to this many rows read 8-bit blocks
   Schedule schedule_;
   at::Tensor hidden_;
@@ -3900,6 +4062,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &FastLlamaKernel::add_layer)
       .def("add_layer_q4", &FastLlamaKernel::add_layer_q4)
       .def("set_q8i", &FastLlamaKernel::set_q8i, pybind11::arg("head"), pybind11::arg("embed") = std::nullopt)
+      .def("set_act8", &FastLlamaKernel::set_act8)
       .def("set_head", &FastLlamaKernel::set_head)
       .def("set_paired", &FastLlamaKernel::set_paired)
       .def("set_amx", &FastLlamaKernel::set_amx)
@@ -3945,7 +4108,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("q4_pack", &q4_pack_op, pybind11::arg("q"), pybind11::arg("dm"));
   m.def("q4_linear", &q4_linear_op, pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("n"),
-        pybind11::arg("bias") = std::nullopt, pybind11::arg("q8") = false,
+        pybind11::arg("bias") = std::nullopt, pybind11::arg("q8") = false, pybind11::arg("a8") = false,
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("q8_pack", &q8_pack_op, pybind11::arg("q"), pybind11::arg("d"));
   m.def("swiglu", &swiglu_op, pybind11::arg("gu"), pybind11::arg("scale") = std::nullopt,

@@ -109,10 +109,11 @@ from verispec.rejection import forward_argmax
 logger = logging.getLogger(__name__)
 
 _SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
-DTYPES = ("float32", "bfloat16", "int8", "int4")
+DTYPES = ("float32", "bfloat16", "int8", "int4", "w4a8")
 """Weight formats of ``FastLlama.from_hf`` (the matrices only; everything else stays float32)."""
-KERNEL_ONLY_DTYPES = ("int4",)
-"""Formats whose layers the kernel alone holds (int4's 4-bit tiles): no torch path serves them."""
+KERNEL_ONLY_DTYPES = ("int4", "w4a8")
+"""Formats whose layers the kernel alone holds (a Q4_1 model's own 4-bit blocks, against int16
+activations for int4, 8-bit blocks of activations for w4a8): no torch path serves them."""
 # RoPE variants whose frequencies do not depend on the sequence length, so a precomputed table is
 # exact. ("dynamic" and "longrope" rescale with the length and are not supported.)
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
@@ -644,12 +645,14 @@ def _q4_packed(parts: Sequence[torch.Tensor], what: str) -> torch.Tensor:
 
     kernel = _load_kernel()
     if kernel is None or not kernel.vnni_tiles_ready():
-        raise ConfigError("int4 weights run on the C++ kernel with AVX-512 VNNI, which this machine lacks")
+        raise ConfigError(
+            "int4 and w4a8 weights run on the C++ kernel with AVX-512 VNNI, which this machine lacks"
+        )
     w = torch.cat([t.detach().float() for t in parts], dim=0)
     blocks = _q4_blocks(w) if w.shape[0] % 16 == 0 else None
     if blocks is None:
         raise ConfigError(
-            f"int4 needs every layer matrix made of exact Q4_1 blocks (a Q4_1 GGUF, such as the "
+            f"int4 and w4a8 need every layer matrix made of exact Q4_1 blocks (a Q4_1 GGUF, such as the "
             f"default model); {what} is not"
         )
     return kernel.q4_pack(*blocks)
@@ -741,7 +744,12 @@ class FastLlama:
     586 / 536 / 536 (a second run: 536 / 509 / 493); int8 unchanged (700 tokens 422 / 423 / 421).
     The kernel's logits do not depend on how many tokens share a call, so they are bitwise the
     same."""
-    kernel_prefill_max: dict[str, int] = {"float32": 96, "bfloat16": 96, "int8": 96, "int4": 1 << 30}
+    kernel_prefill_max: dict[str, int] = {
+        "float32": 96,
+        "bfloat16": 96,
+        "int8": 96,
+        **dict.fromkeys(KERNEL_ONLY_DTYPES, 1 << 30),
+    }
     """Calls up to this many tokens per row (by weight format) still run on the kernel, in pieces of
     ``kernel_prefill_piece``: below it the torch path's fixed costs (widening bfloat16/int8 weights to a
     float32 copy, small-GEMM overheads) exceed the kernel's. These defaults are the 2-core EPYC's
@@ -918,9 +926,11 @@ class FastLlama:
                 bf16 and widened in the kernel: half the memory traffic) or "int8" (symmetric int8
                 with one float32 scale per weight row: a quarter of the traffic) or "int4" (a Q4_1
                 model's own layer blocks, exact, multiplied in integers by int16 activations on the
-                kernel only; the embedding and head int8; ValueError for other models). Activations,
-                norms and biases stay float32 in every format; the KV cache is float16 for
-                bfloat16, int8 and int4 on the kernel, float32 otherwise (``_kv_dtype``).
+                kernel only; the embedding and head its Q8_0 blocks where it has them, else int8;
+                ValueError for other models) or "w4a8" (int4's weights, the activations of its
+                products rounded to 8 bits per block of 32: half the integer work). Norms, biases
+                and the rest of the arithmetic stay float32 in every format; the KV cache is
+                float16 for all but float32 on the kernel, float32 otherwise (``_kv_dtype``).
             max_batch_size: rows to preallocate caches for (``reset`` can grow them).
             max_length: context cap; defaults to ``config.max_position_embeddings``.
             use_kernel: None = use the C++ kernel when it builds (and ``VERISPEC_NO_KERNEL`` is unset);
@@ -934,7 +944,7 @@ class FastLlama:
         if dtype in KERNEL_ONLY_DTYPES and kernel_off:
             from verispec.config import ConfigError
 
-            raise ConfigError("int4 weights run on the C++ kernel only; it is turned off here")
+            raise ConfigError(f"{dtype} weights run on the C++ kernel only; it is turned off here")
         config = hf_model.config
         limit = int(config.max_position_embeddings)
         if _uses_sliding_window(config):
@@ -994,7 +1004,7 @@ class FastLlama:
         )
         k.set_paired(bool(w.get("paired")))
         for lw in w["layers"]:
-            if self.dtype == "int4":
+            if self.kernel_only:
                 k.add_layer_q4(
                     lw["in_norm"], lw["wqkv_q4i"], lw["bqkv"], lw["wo_q4i"], lw["bo"],
                     lw["post_norm"], lw["wgu_q4i"], lw["wdown_q4i"],
@@ -1014,6 +1024,7 @@ class FastLlama:
             k.set_head_q8(w["head_q8"])
         if w.get("head_q8i") is not None or w.get("embed_q8i") is not None:
             k.set_q8i(w.get("head_q8i"), w.get("embed_q8i"))
+        k.set_act8(self.dtype == "w4a8")
         k.set_block_rows(self.q4_rows, self.head_q8_rows)
         if "head_screen" in w:
             sc = w["head_screen"]
@@ -1095,7 +1106,7 @@ class FastLlama:
             for key in _LAYER_MATRICES:
                 if layer.get(key + "_q4") is not None:
                     unread.append(layer[key] if blocks and self.q4_rows > 0 else layer[key + "_q4"])
-        if w.get("head_q8i") is not None:  # int4 reads its head's 8-bit blocks, not its int8 rows
+        if w.get("head_q8i") is not None:  # int4, w4a8 read the head's 8-bit blocks, not its int8 rows
             unread.append(w["head"])
         if w.get("embed_q8i") is not None:  # ... and an untied embedding's rows from its blocks
             unread.append(w["embed"])
@@ -1461,8 +1472,8 @@ class FastLlama:
 
 
 def _kv_dtype(dtype: str, kernel: bool) -> torch.dtype:
-    """The KV cache's dtype for weight format ``dtype``: float16 for "bfloat16", "int8" and "int4"
-    on the kernel, float32 otherwise; ``VERISPEC_KV_CACHE=float32`` or ``float16`` overrides.
+    """The KV cache's dtype for weight format ``dtype``: float16 for "bfloat16", "int8", "int4" and
+    "w4a8" on the kernel, float32 otherwise; ``VERISPEC_KV_CACHE=float32`` or ``float16`` overrides.
 
     Decoding reads every cached key and value once per step: SmolLM2-135M at 1500 cached tokens
     reads 69 MB of float32 keys and values against 135 MB of int8 weights. float16 halves that,
@@ -1474,7 +1485,7 @@ def _kv_dtype(dtype: str, kernel: bool) -> torch.dtype:
         if choice not in ("float32", "float16"):
             raise ValueError(f"VERISPEC_KV_CACHE must be float32 or float16, not {choice!r}")
         return torch.float16 if choice == "float16" else torch.float32
-    return torch.float16 if kernel and dtype in ("bfloat16", "int8", "int4") else torch.float32
+    return torch.float16 if kernel and dtype in ("bfloat16", "int8", *KERNEL_ONLY_DTYPES) else torch.float32
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -1505,14 +1516,14 @@ def _repack(hf_model: Any, dtype: str, max_length: int) -> dict[str, Any]:
 
     def mat(*ts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         full = torch.cat([t.detach().float() for t in ts], dim=0)
-        if dtype in ("int8", "int4"):  # int4: the embedding and head
+        if dtype in ("int8", *KERNEL_ONLY_DTYPES):  # int4, w4a8: the embedding and head
             return _quantize_rows(full)
         return full.to(getattr(torch, dtype)).contiguous(), None
 
     def layer_mat(name: str, i: int, *ts: torch.Tensor) -> dict[str, Any]:
-        """A layer matrix's entries: ``name`` and ``name + "_scale"``, or for int4 ``name`` None and
-        ``name + "_q4i"`` its exact 4-bit blocks in the kernel's layout (``_q4_packed``)."""
-        if dtype != "int4":
+        """A layer matrix's entries: ``name`` and ``name + "_scale"``, or for int4 and w4a8 ``name``
+        None and ``name + "_q4i"`` its exact 4-bit blocks in the kernel's layout (``_q4_packed``)."""
+        if dtype not in KERNEL_ONLY_DTYPES:
             w, scale = mat(*ts)
             return {name: w, name + "_scale": scale}
         return {name: None, name + "_scale": None, name + "_q4i": _q4_packed(ts, f"layer {i}'s {name}")}
@@ -1541,10 +1552,11 @@ def _repack(hf_model: Any, dtype: str, max_length: int) -> dict[str, Any]:
     tied = lm_head.data_ptr() == inner.embed_tokens.weight.data_ptr()
     # A tied head is the embedding's tensors themselves (one copy, counted once by weight_bytes).
     head, head_scale = (embed, embed_scale) if tied else mat(lm_head)
-    # int4: a head and an embedding made of exact Q8_0 blocks are also kept as them (``q8_pack``;
-    # a tied pair once), which the kernel then reads instead of the int8 rows.
-    head_q8i = _q8_packed(lm_head) if dtype == "int4" else None
-    embed_q8i = _q8_packed(inner.embed_tokens.weight) if dtype == "int4" and not tied else None
+    # int4, w4a8: a head and an embedding made of exact Q8_0 blocks are also kept as them
+    # (``q8_pack``; a tied pair once), which the kernel then reads instead of the int8 rows.
+    blocks = dtype in KERNEL_ONLY_DTYPES
+    head_q8i = _q8_packed(lm_head) if blocks else None
+    embed_q8i = _q8_packed(inner.embed_tokens.weight) if blocks and not tied else None
     # Same arithmetic as HF's rotary embedding: float32 position * inv_freq, cos/sin, then the
     # attention scaling, so the tables are bitwise HF's.
     rot = inner.rotary_emb

@@ -229,7 +229,8 @@ def load_model(
     Args:
         spec: short name, ``.gguf`` path, local folder or hub id.
         backend: "auto" (fast path for Llama-family models, else generic), "fast" or "hf".
-        dtype: weight format of the fast path: "float32", "bfloat16", "int8" or "int4" (others: float32).
+        dtype: weight format of the fast path: "float32", "bfloat16", "int8", "int4" or "w4a8"
+            (others: float32).
         max_batch_size: rows the caches are sized for.
         max_length: cap on the context (and cache size).
         device: where the weights and caches live and the forwards run: "cpu", "cuda", "cuda:N" or
