@@ -2290,11 +2290,15 @@ inline void q8a8_tile(const uint8_t* a, const float* da, int64_t K, const uint8_
   });
 }
 
-constexpr int kQ4A8Rows = 8;  // input rows per pass at most, 8-bit activations
-
-// Tiles for MR input rows at a time with 8-bit activations: registers 2 MR NT (sums) + 2 NT
-// (codes) + 2 (broadcasts) <= 32.
-constexpr int q4a8_tiles_for(int mr) { return mr == 1 ? 4 : mr <= 6 ? 2 : 1; }
+// 8-bit activations: passes of up to 4 input rows against a whole group of 4 tiles at once (16
+// integer sums in registers; GCC keeps some of the float sums in memory, read and written once
+// per block). Against 8 rows by 1 tile (6 by 2 for 2-6 rows), the 120 layer products of
+// SmolLM2-135M, min ms (/tmp/s42/variants.py, three builds alternating): 2 rows 3.31 -> 3.04, 3
+// rows 3.20 -> 2.82, 5 rows 3.40 -> 3.35, 9 rows 6.60 (4.70 at 6 by 2) -> 4.67, 128 rows 60.1 (50.8)
+// -> 50.3; w4a8 greedy steps at 200 cached tokens (benchmarks/kernel_ab.py, against 6 by 2): 3
+// tokens 5.03 -> 4.57, 5 tokens 6.00 -> 5.60 ms.
+constexpr int kQ4A8Rows = 4;
+constexpr int kQ4A8Tiles = kQ4Group;
 
 // y[M, N] (+)= x[M, K] @ W^T + bias, W [N, K] as exact 4-bit blocks in `q4_pack`'s layout (N % 16 == 0,
 // K % 32 == 0). Threads split groups of kQ4Group tiles; each group meets every input row, up to
@@ -2328,7 +2332,7 @@ void linear_q4_tiles(const float* x, int64_t M, int64_t ldx, const uint8_t* wt, 
         const int64_t mr = std::min<int64_t>(step, M - m);
         with_rows<kRows>(mr, [&](auto R) {
           constexpr int MR = decltype(R)::value;
-          constexpr int NT = A8 ? q4a8_tiles_for(MR) : q4_tiles_for(MR);
+          constexpr int NT = A8 ? kQ4A8Tiles : q4_tiles_for(MR);
           for (int64_t t = t0; t < t1; t += NT) {
             with_rows<NT>(std::min<int64_t>(NT, t1 - t), [&](auto T) {
               constexpr int TN = decltype(T)::value;
