@@ -7,7 +7,7 @@ nats. Speculative decoding keeps each format's own output distribution; this mea
 that distribution is from float32's.
 
     flock /tmp/verispec-cpu.lock python benchmarks/format_agreement.py [--per-category 3]
-        [--dtypes int8,int4] [--model default]
+        [--dtypes int8,int4,w4a8] [--model default]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from verispec.models.loading import load_model
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
-    ap.add_argument("--dtypes", default="int8,int4", help="comma list of formats to compare with float32")
+    ap.add_argument("--dtypes", default="int8,int4,w4a8", help="comma list of formats against float32")
     ap.add_argument("--per-category", type=int, default=3)
     ap.add_argument("--prompts", default=None, help="a Spec-Bench question file (default: the shared one)")
     args = ap.parse_args()

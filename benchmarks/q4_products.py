@@ -1,11 +1,12 @@
 """Exact 4-bit blocks in integers against int8 weights: the default model's 120 layer matrices.
 
-The kernel's ``q4_linear`` (a prototype of an int4 weight format, session 41: the Q4_1 GGUF's own
-codes and scales, int16 activations, exact integer sums per block) against the int8 model's paired
-products (``FastLlamaKernel.linear``, as its decoding steps run them), over every layer matrix of
-SmolLM2-135M, M input rows, the two alternating round by round. Prints min / median ms per pass over
-all 120 matrices, and each format's largest error against float32 products, relative to the largest
-output, over the first 8 matrices. Run it alone on the machine (``flock /tmp/verispec-cpu.lock``).
+The kernel's ``q4_linear`` (the Q4_1 GGUF's own codes and scales, exact integer sums per block)
+with int16 activations (int4, session 41, ``q4``) and with 8-bit blocks of activations (w4a8,
+session 42, ``q4a8``) against the int8 model's paired products (``FastLlamaKernel.linear``, as its
+decoding steps run them), over every layer matrix of SmolLM2-135M, M input rows, the three
+alternating round by round. Prints min / median ms per pass over all 120 matrices, and each
+format's largest error against float32 products, relative to the largest output, over the first 8
+matrices. Run it alone on the machine (``flock /tmp/verispec-cpu.lock``).
 
     python benchmarks/q4_products.py [--rows 1 2 5 9 128] [--rounds 30]
 """
@@ -58,29 +59,32 @@ def main() -> None:
     def q4(x: torch.Tensor, m: tuple) -> torch.Tensor:
         return module.q4_linear(x, m[1], m[0])
 
+    def q4a8(x: torch.Tensor, m: tuple) -> torch.Tensor:
+        return module.q4_linear(x, m[1], m[0], a8=True)
+
     def int8_rows(x: torch.Tensor, m: tuple) -> torch.Tensor:
         return kernel.linear(x, m[2], None, m[3], paired=True)
 
     gen = torch.Generator().manual_seed(0)
     for rows in args.rows:
         xs = [torch.randn(rows, m[4].shape[1], generator=gen) for m in mats]
+        kinds = {"q4": q4, "q4a8": q4a8, "int8": int8_rows}
         errors = {}
-        for name, f in (("q4", q4), ("int8", int8_rows)):
+        for name, f in kinds.items():
             worst = 0.0
             for x, m in zip(xs[:8], mats[:8]):
                 ref = x @ m[4].T
                 worst = max(worst, float((f(x, m) - ref).abs().max() / ref.abs().max()))
             errors[name] = worst
-        times: dict[str, list[float]] = {"q4": [], "int8": []}
+        times: dict[str, list[float]] = {name: [] for name in kinds}
         for r in range(args.rounds):
-            for name in ("q4", "int8") if r % 2 == 0 else ("int8", "q4"):
-                f = q4 if name == "q4" else int8_rows
+            for name in list(kinds) if r % 2 == 0 else list(kinds)[::-1]:
                 start = time.perf_counter()
                 for x, m in zip(xs, mats):
-                    f(x, m)
+                    kinds[name](x, m)
                 times[name].append((time.perf_counter() - start) * 1e3)
         cells = "  ".join(f"{n} {min(v):.2f} / {statistics.median(v):.2f} ms" for n, v in times.items())
-        worst = f"q4 {errors['q4']:.1e}, int8 {errors['int8']:.1e}"
+        worst = ", ".join(f"{n} {e:.1e}" for n, e in errors.items())
         print(f"{rows} rows: {cells}; largest error: {worst}", flush=True)
 
 

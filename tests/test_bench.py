@@ -537,3 +537,13 @@ def test_bandwidth_goal_of_a_format_read_as_4bit_blocks_uses_the_float32_bound()
     assert "30% (120.0 of 400.0 tokens/s) over the 4-bit blocks" in got["value"]
     got = {c["goal"]: c for c in goal_checks({"rows": [], "by_dtype": {"float32": dense}})}[goal]
     assert got["met"] is False and "blocks" not in got["value"]
+
+
+def test_a_formats_line_says_where_its_prompts_run() -> None:
+    """The kernel-only formats (int4, w4a8) hold ``1 << 30`` as their kernel prompt limit: the line
+    says every prompt runs there, not a ten-digit token count."""
+    from verispec.bench.report import _kernel_prompts
+
+    assert _kernel_prompts(1 << 30) == ", every prompt on the kernel"
+    assert _kernel_prompts(2048) == ", kernel prompts up to 2048 tokens"
+    assert _kernel_prompts(None) == ""

@@ -54,11 +54,7 @@ def markdown(results: dict) -> str:
             + "), verify_cost_ratio "
             f"{_fmt(d['verify_cost_ratio'])}{_verify_samples(d)}"
             + (f", kernel schedule {d['kernel_schedule']}" if d.get("kernel_schedule") else "")
-            + (
-                f", kernel prompts up to {d['kernel_prefill_max']} tokens"
-                if d.get("kernel_prefill_max") is not None
-                else ""
-            )
+            + _kernel_prompts(d.get("kernel_prefill_max"))
         )
     mem = results.get("memory_bytes") or {}
     if mem:
@@ -389,6 +385,17 @@ def goals_markdown(checks: list[dict]) -> str:
             f"| {c['goal']} | {c['value']} | {'-' if c['met'] is None else ('yes' if c['met'] else 'NO')} |"
         )
     return "\n".join(lines)
+
+
+def _kernel_prompts(limit: int | None) -> str:
+    """How a format's prompts are split between the kernel and the torch path, for its line: the
+    kernel takes prompts of up to ``limit`` tokens; the kernel-only formats' limit (``1 << 30``)
+    means every prompt."""
+    if limit is None:
+        return ""
+    if limit >= 1 << 30:
+        return ", every prompt on the kernel"
+    return f", kernel prompts up to {limit} tokens"
 
 
 def _verify_samples(by_dtype: dict) -> str:

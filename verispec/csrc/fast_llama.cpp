@@ -19,9 +19,11 @@
 // depends only on that row and an integer sum on no order, so the property above still holds.
 // Why: widening int8 weights to float cost 2 instructions per 8 weights and made int8 compute-bound
 // beyond one input row; vpmaddwd (AVX2) or vpdpwssd (AVX512-VNNI, when compiled with it) multiplies
-// 16 weights by 16 activations in one or two.
+// 16 weights by 16 activations in one or two. int4 (a Q4_1 GGUF's own 4-bit blocks, `q4_tile`) meets
+// the same int16 rows; w4a8 (the same blocks, `q4a8_tile`) rounds each block of 32 activations to
+// 8 bits with its own scale. Both depend only on the row, so the property holds for them too.
 //
-// The KV cache is float32 or float16 (FastLlama chooses float16 for bfloat16 and int8 weights).
+// The KV cache is float32 or float16 (FastLlama chooses float16 for every format but float32).
 // A key or value is rounded once, when written, and widens exactly to float32 whenever it is read,
 // so the property above holds for either. At long contexts decoding reads the cache about as much
 // as the int8 weights (SmolLM2-135M at 1500 tokens: 69 MB of float32 keys and values, 135 MB of

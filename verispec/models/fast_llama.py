@@ -64,6 +64,10 @@ int16 activations in integers, block by block, and reads embedding rows from the
 the prompt positions of 39 Spec-Bench prompts (7148, the first 3 of each category) its top-1 token
 agreed with float32's at 99.96% (int8 96.11%; with an int8 head it was 98.29%), mean KL 2.1e-6 nats
 (int8 5.2e-3). It has no torch path: every call runs on the kernel, which needs AVX-512 VNNI for it.
+w4a8 (session 42) holds int4's weights and rounds the activations of its products to 8 bits per
+block of 32 instead (``q4a8_tile``): one ``vpdpbusd`` per 4 weights and row, half of int4's, so
+wide calls (prompts, verification) cost less; top-1 agreement 97.13%, mean KL 3.3e-3 nats on the
+same positions (``benchmarks/format_agreement.py``).
 On a CPU with AMX (Intel Xeon since Sapphire Rapids; :func:`amx_enabled`) the kernel also holds the
 int8 matrices as AMX tiles (a second copy of the int8 weights, on 2 MB pages) and multiplies calls
 of at least ``amx_rows`` tokens there, bitwise the same integers. By default those are prompts:

@@ -526,7 +526,7 @@ def apply_prefill(model: Any) -> int:
     """Set ``model.kernel_prefill_max`` for its weight format (a kernel ``FastLlama``, its cache
     empty) and return it: ``VERISPEC_KERNEL_PREFILL_MAX`` if set to a number, the class's default
     for small models, else the cached crossing for this CPU, format and size, else
-    :func:`measure_crossing`, cached. int4 weights have no torch path: every prompt runs on the
+    :func:`measure_crossing`, cached. int4 and w4a8 weights have no torch path: every prompt runs on the
     kernel."""
     if getattr(model, "kernel_only", False):
         return model.kernel_prefill_max[model.dtype]
