@@ -2060,25 +2060,33 @@ inline void block_tiles(int64_t B, const uint8_t* w, int64_t bstride, const floa
     }
 }
 
+// Codes vector j (0..3) of NT tiles' 4-bit blocks at blk (tile u's at blk + u * kQ4BlockBytes),
+// unpacked: c0[u] holds each row's codes of columns 4j .. 4j + 3 (the low nibbles), c1[u] those of
+// 16 + 4j .. 16 + 4j + 3 (the high nibbles), a row to a 32-bit lane.
+template <int NT>
+inline void q4_codes(const uint8_t* blk, int j, __m512i (&c0)[NT], __m512i (&c1)[NT]) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 4
+  for (int u = 0; u < NT; ++u) {
+    const __m512i v = _mm512_loadu_si512(blk + u * kQ4BlockBytes + 64 * j);
+    c0[u] = _mm512_and_si512(v, low4);
+    c1[u] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+  }
+}
+
 // MR input rows against NT tiles of 4-bit blocks.
 template <int MR, int NT>
 inline void q4_tile(const i8* hi, const uint8_t* lo, const int32_t* asum, int64_t K, const uint8_t* w,
                     int64_t bstride, const float* xs, const float* bias, float* y, int64_t ldy,
                     bool accumulate, bool prefetch) {
   const int64_t B = K / 32;
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
   block_tiles<MR, NT, kQ4BlockBytes>(B, w, bstride, xs, bias, y, ldy, accumulate, prefetch,
                                      [&](const uint8_t* blk, int64_t b, __m512 (&f)[MR][NT], __m512i (&h)[MR][NT],
                                          __m512i (&l)[MR][NT]) {
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       __m512i c0[NT], c1[NT];
-#pragma GCC unroll 4
-      for (int u = 0; u < NT; ++u) {
-        const __m512i v = _mm512_loadu_si512(blk + u * kQ4BlockBytes + 64 * j);
-        c0[u] = _mm512_and_si512(v, low4);
-        c1[u] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      }
+      q4_codes<NT>(blk, j, c0, c1);
 #pragma GCC unroll 5
       for (int i = 0; i < MR; ++i) {
         const int64_t at = i * K + 32 * b + 4 * j;
@@ -2213,19 +2221,13 @@ template <int MR, int NT>
 inline void q4a8_tile(const uint8_t* a, const float* da, const float* sa, int64_t K, const uint8_t* w,
                       int64_t bstride, const float* bias, float* y, int64_t ldy, bool accumulate, bool prefetch) {
   const int64_t B = K / 32;
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
   block_tiles<MR, NT, kQ4BlockBytes>(B, w, bstride, nullptr, bias, y, ldy, accumulate, prefetch,
                                      [&](const uint8_t* blk, int64_t b, __m512 (&f)[MR][NT], __m512i (&h)[MR][NT],
                                          __m512i (&)[MR][NT]) {
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       __m512i c0[NT], c1[NT];
-#pragma GCC unroll 4
-      for (int u = 0; u < NT; ++u) {
-        const __m512i v = _mm512_loadu_si512(blk + u * kQ4BlockBytes + 64 * j);
-        c0[u] = _mm512_and_si512(v, low4);
-        c1[u] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      }
+      q4_codes<NT>(blk, j, c0, c1);
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
         const int64_t at = i * K + 32 * b + 4 * j;
