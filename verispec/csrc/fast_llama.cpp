@@ -896,9 +896,10 @@ inline void amx_configure(int64_t mc) {
 // the same q, element by element), stored as q's high bytes hi (q >> 8) and low bytes lo (q & 255),
 // [M, K] each; K a multiple of 16. One pass less than quantising, then splitting. With
 // `offset_hi`, hi holds (q >> 8) + 128 as an unsigned byte instead (`linear_vnni_tiles`).
-// With `block_sums` [M, K / 32] (K a multiple of 32), each 32 columns' sum of q, exact.
+// With `block_sums` [M, K / 32] (K a multiple of 32), each 32 columns' sum of q, exact in float32
+// (|sum| <= 32 * 32767 < 2^24), as the 4-bit blocks' products take it.
 inline void quantize_rows_bytes(const float* x, int64_t M, int64_t ldx, int64_t K, i8* hi, uint8_t* lo,
-                                float* xs, bool offset_hi = false, int32_t* block_sums = nullptr) {
+                                float* xs, bool offset_hi = false, float* block_sums = nullptr) {
   const __m512i flip = _mm512_set1_epi32(offset_hi ? 0x80 : 0);
   for (int64_t m = 0; m < M; ++m) {
     const float* r = x + m * ldx;
@@ -914,7 +915,7 @@ inline void quantize_rows_bytes(const float* x, int64_t M, int64_t ldx, int64_t 
     if (inv == 0.0f) {
       std::memset(hi + m * K, 0, K);
       std::memset(lo + m * K, 0, K);
-      if (block_sums != nullptr) std::fill_n(block_sums + m * (K / 32), K / 32, 0);
+      if (block_sums != nullptr) std::fill_n(block_sums + m * (K / 32), K / 32, 0.0f);
       continue;
     }
     const __m512 vinv = _mm512_set1_ps(inv);
@@ -927,7 +928,7 @@ inline void quantize_rows_bytes(const float* x, int64_t M, int64_t ldx, int64_t 
       if (block_sums != nullptr) {
         block = _mm512_add_epi32(block, q);
         if (k % 32 == 16) {
-          block_sums[m * (K / 32) + k / 32] = _mm512_reduce_add_epi32(block);
+          block_sums[m * (K / 32) + k / 32] = static_cast<float>(_mm512_reduce_add_epi32(block));
           block = _mm512_setzero_si512();
         }
       }
@@ -953,14 +954,14 @@ struct ByteRows {
   const float* xs;        // [M]
   const i8* hi;           // [M, K]
   const uint8_t* lo;      // [M, K]
-  const int32_t* sums;    // [M, K / 32] with `block_sums`, else null
+  const float* sums;      // [M, K / 32] with `block_sums`, else null
 };
 inline ByteRows byte_rows(const float* x, int64_t M, int64_t ldx, int64_t K, bool offset_hi,
                           bool block_sums = false) {
   thread_local std::vector<float> xs;
   thread_local std::vector<i8> hi;
   thread_local std::vector<uint8_t> lo;
-  thread_local std::vector<int32_t> sums;
+  thread_local std::vector<float> sums;
   xs.resize(M);
   hi.resize(M * K);
   lo.resize(M * K);
@@ -2076,7 +2077,7 @@ inline void q4_codes(const uint8_t* blk, int j, __m512i (&c0)[NT], __m512i (&c1)
 
 // MR input rows against NT tiles of 4-bit blocks.
 template <int MR, int NT>
-inline void q4_tile(const i8* hi, const uint8_t* lo, const int32_t* asum, int64_t K, const uint8_t* w,
+inline void q4_tile(const i8* hi, const uint8_t* lo, const float* asum, int64_t K, const uint8_t* w,
                     int64_t bstride, const float* xs, const float* bias, float* y, int64_t ldy,
                     bool accumulate, bool prefetch) {
   const int64_t B = K / 32;
@@ -2114,7 +2115,7 @@ inline void q4_tile(const i8* hi, const uint8_t* lo, const int32_t* asum, int64_
       for (int i = 0; i < MR; ++i) {
         const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(h[i][u], 8), l[i][u]);
         f[i][u] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sum), f[i][u]);
-        f[i][u] = _mm512_fmadd_ps(m, _mm512_set1_ps(static_cast<float>(asum[i * B + b])), f[i][u]);
+        f[i][u] = _mm512_fmadd_ps(m, _mm512_set1_ps(asum[i * B + b]), f[i][u]);
       }
     }
   });
@@ -2321,7 +2322,7 @@ void linear_q4_tiles(const float* x, int64_t M, int64_t ldx, const uint8_t* wt, 
   constexpr int64_t kBlockBytes = Q8 ? kQ8BlockBytes : kQ4BlockBytes;
   constexpr int kRows = A8 ? kQ4A8Rows : kQ4Rows;
   const int64_t B = K / 32, tiles = N / kQ4Tile;
-  const int32_t* as = rows_q.sums;
+  const float* as = rows_q.sums;
   at::parallel_for(0, (tiles + kQ4Group - 1) / kQ4Group, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t t0 = g * kQ4Group, t1 = std::min<int64_t>(tiles, t0 + kQ4Group);
@@ -2361,6 +2362,15 @@ void linear_q4_tiles(const float* x, int64_t M, int64_t ldx, const uint8_t* wt, 
       }
     }
   });
+}
+
+// linear_q4_tiles for W's block format (`q8`: `q8_pack`'s, else `q4_pack`'s) and the activations'
+// (`a8`: 8-bit blocks, else int16 rows), chosen at run time.
+inline void linear_block_tiles(bool q8, bool a8, const float* x, int64_t M, int64_t ldx, const uint8_t* wt, int64_t N,
+                               int64_t K, const float* bias, float* y, int64_t ldy, bool accumulate) {
+  auto* f = q8 ? (a8 ? &linear_q4_tiles<true, true> : &linear_q4_tiles<true, false>)
+               : (a8 ? &linear_q4_tiles<false, true> : &linear_q4_tiles<false, false>);
+  f(x, M, ldx, wt, N, K, bias, y, ldy, accumulate);
 }
 #endif
 
@@ -2952,12 +2962,8 @@ at::Tensor q4_linear_op(const at::Tensor& x, const at::Tensor& packed, int64_t N
   if (bias) TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias [N]");
   auto y = at::empty({M, N}, x.options());
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  const float* b = bias ? bias->data_ptr<float>() : nullptr;
-  const auto run = [&](auto f) { f(x.data_ptr<float>(), M, K, packed.data_ptr<uint8_t>(), N, K, b, y.data_ptr<float>(), N, false); };
-  if (q8 && a8) run(linear_q4_tiles<true, true>);
-  else if (q8) run(linear_q4_tiles<true, false>);
-  else if (a8) run(linear_q4_tiles<false, true>);
-  else run(linear_q4_tiles<false, false>);
+  linear_block_tiles(q8, a8, x.data_ptr<float>(), M, K, packed.data_ptr<uint8_t>(), N, K,
+                     bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), N, false);
 #else
   TORCH_CHECK(false, "q4_linear needs AVX-512 VNNI");
 #endif
@@ -3224,9 +3230,9 @@ class FastLlamaKernel {
     layers_.push_back(std::move(L));
   }
 
-  // A layer of int4 weights: its matrices only as exact 4-bit blocks in `q4_pack`'s layout (uint8),
-  // multiplied in integers by `linear_q4_tiles` in every call. The embedding and head (`set_head`)
-  // are int8, so the kernel runs with int8 weights otherwise.
+  // A layer of int4 or w4a8 weights: its matrices only as exact 4-bit blocks in `q4_pack`'s layout
+  // (uint8), multiplied in integers by `linear_q4_tiles` in every call. The embedding and head
+  // (`set_head`) are int8, or their 8-bit blocks (`set_q8i`), so the kernel's weight type is int8.
   void add_layer_q4(at::Tensor in_norm, at::Tensor wqkv, std::optional<at::Tensor> bqkv, at::Tensor wo,
                     std::optional<at::Tensor> bo, at::Tensor post_norm, at::Tensor wgu, at::Tensor wdown) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -3251,10 +3257,10 @@ class FastLlamaKernel {
   // (`quantize_blocks8`: the w4a8 format) instead of int16 rows (int4).
   void set_act8(bool on) { act8_ = on; }
 
-  // int4's int8 head and embedding (`set_head`, which must come first) also as exact 8-bit blocks in
-  // `q8_pack`'s layout (either may be None): head products then multiply them in integers
-  // (`q8_tile`), and embedding rows are read from them exactly. A tied head is the embedding: its
-  // blocks serve both.
+  // The int8 head and embedding of int4 and w4a8 (`set_head`, which must come first) also as exact
+  // 8-bit blocks in `q8_pack`'s layout (either may be None): head products then multiply them in
+  // integers (`q8_tile`, `q8a8_tile`), and embedding rows are read from them exactly. A tied head
+  // is the embedding: its blocks serve both.
   void set_q8i(std::optional<at::Tensor> head, std::optional<at::Tensor> embed) {
     TORCH_CHECK(wtype_ == at::kChar && head_.w.defined(), "an int8 head must be set first");
     const bool tied = embed_.w.defined() && embed_.w.data_ptr() == head_.w.data_ptr();
@@ -3636,13 +3642,7 @@ class FastLlamaKernel {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
       if (W.q4i.defined() || W.q8i.defined()) {
         const bool q8 = !W.q4i.defined();
-        const uint8_t* wt = (q8 ? W.q8i : W.q4i).data_ptr<uint8_t>();
-        const auto run = [&](auto f) { f(x, M, K, wt, N, K, bias, y, N, accumulate); };
-        if (act8_) {
-          q8 ? run(linear_q4_tiles<true, true>) : run(linear_q4_tiles<false, true>);
-        } else {
-          q8 ? run(linear_q4_tiles<true, false>) : run(linear_q4_tiles<false, false>);
-        }
+        linear_block_tiles(q8, act8_, x, M, K, (q8 ? W.q8i : W.q4i).data_ptr<uint8_t>(), N, K, bias, y, N, accumulate);
         return;
       }
 #endif
