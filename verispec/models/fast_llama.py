@@ -170,7 +170,7 @@ def compile_kernel_meanwhile(architecture: str | None) -> threading.Thread | Non
     """
     if architecture not in _SUPPORTED_TYPES or _kernel_module is not None or _kernel_error is not None:
         return None
-    if os.environ.get("VERISPEC_NO_KERNEL", "") not in ("", "0"):
+    if _kernel_turned_off():
         return None
     thread = threading.Thread(target=_load_kernel, name="verispec-kernel-build")
     thread.start()
@@ -311,9 +311,14 @@ def prune_kernel_builds(current: Path, max_age_days: float = KERNEL_BUILD_MAX_AG
     return removed
 
 
+def _kernel_turned_off() -> bool:
+    """Whether ``VERISPEC_NO_KERNEL`` turns the C++ kernel off (any value but empty or 0)."""
+    return os.environ.get("VERISPEC_NO_KERNEL", "") not in ("", "0")
+
+
 def kernel_available() -> bool:
     """Whether the C++ kernel compiled and loaded on this machine (compiles it if needed)."""
-    return os.environ.get("VERISPEC_NO_KERNEL", "") in ("", "0") and _load_kernel() is not None
+    return not _kernel_turned_off() and _load_kernel() is not None
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -944,8 +949,9 @@ class FastLlama:
             raise ValueError(f"FastLlama does not support {type(hf_model).__name__}")
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
-        kernel_off = use_kernel is False or os.environ.get("VERISPEC_NO_KERNEL", "") not in ("", "0")
-        if dtype in KERNEL_ONLY_DTYPES and kernel_off:
+        if use_kernel is None:
+            use_kernel = not _kernel_turned_off()
+        if dtype in KERNEL_ONLY_DTYPES and not use_kernel:
             from verispec.config import ConfigError
 
             raise ConfigError(f"{dtype} weights run on the C++ kernel only; it is turned off here")
@@ -958,8 +964,6 @@ class FastLlama:
         max_length = limit if max_length is None else min(int(max_length), limit)
         weights = _repack(hf_model, dtype, max_length)
         device = weights["embed"].device
-        if use_kernel is None:
-            use_kernel = os.environ.get("VERISPEC_NO_KERNEL", "") in ("", "0")
         use_kernel = bool(use_kernel) and device.type == "cpu" and _load_kernel() is not None
         if use_kernel and cls.screen_head and weights["head"].dtype == torch.float32:
             weights["head_screen"] = _head_screen(weights["head"])
