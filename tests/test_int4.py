@@ -116,6 +116,40 @@ def test_int4_stays_close_to_float32_and_its_layers_are_exact(tied: bool) -> Non
     assert layer["wgu"] is None and layer["wgu_q4i"].numel() == 256 * 64 * 6 // 8
 
 
+def _int8_tensors(fast: FastLlama) -> list[str]:
+    """Where ``fast`` holds int8 rows among its weight tensors (its ``_w``)."""
+    w = fast._w
+    named = [(k, v) for k, v in w.items() if k != "layers"]
+    named += [(f"layers.{i}.{k}", v) for i, layer in enumerate(w["layers"]) for k, v in layer.items()]
+    return [k for k, v in named if isinstance(v, torch.Tensor) and v.dtype == torch.int8]
+
+
+@requires_vnni
+@pytest.mark.parametrize("tied", [True, False])
+def test_int4_holds_q8_0_heads_as_blocks_only(tied: bool) -> None:
+    """A head and embedding made of exact Q8_0 blocks are held only as those blocks: no int8 rows
+    beside them (before, 28 MB on the default model that no call read). A head that is not Q8_0
+    stays int8 rows, beside the embedding's blocks, and the kernel still reads each token's logits
+    bitwise the same however many tokens share a call."""
+    ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(2))
+    for dtype in ("int4", "w4a8"):
+        fast = FastLlama.from_hf(_q4_llama(seed=5, tied=tied), dtype=dtype)
+        assert fast._w["head"] is None and fast._w["embed"] is None
+        assert _int8_tensors(fast) == []
+    hf = _q4_llama(seed=5, tied=False)
+    with torch.no_grad():
+        hf.lm_head.weight.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(4))  # not Q8_0
+    fast = FastLlama.from_hf(hf, dtype="int4")
+    assert fast._w["head_q8i"] is None and fast._w["embed_q8i"] is not None
+    assert sorted(_int8_tensors(fast)) == ["embed", "head"]
+    whole = fast.forward(ids)
+    fast.reset(1)
+    steps = torch.cat([fast.forward(ids[:, t : t + 5]) for t in range(0, 40, 5)], dim=1)
+    assert torch.equal(steps, whole)
+    ref = FastLlama.from_hf(hf, dtype="float32", use_kernel=True).forward(ids)
+    assert (whole - ref).abs().max() < 0.05 * ref.abs().max()
+
+
 @requires_vnni
 def test_w4a8_rounds_only_the_activations() -> None:
     """w4a8 holds int4's weights (the same layout) and rounds its products' activations to 8 bits

@@ -2725,6 +2725,7 @@ struct Mat {
   at::Tensor wsum;   // with tiles on VNNI: each weight row's sum (`tile_row_sums`), int32 [N]
   at::Tensor q4i;    // int4 weights: exact 4-bit blocks in `q4_pack`'s layout (no `w`), or undefined
   at::Tensor q8i;    // int4's embedding / head: also as exact 8-bit blocks in `q8_pack`'s layout, or undefined
+  int64_t n = 0;     // rows: w's, or q8i's where the matrix is held as blocks only (`set_head_blocks`)
   const float* sc() const { return scale.defined() ? scale.data_ptr<float>() : nullptr; }
 };
 
@@ -3232,7 +3233,8 @@ class FastLlamaKernel {
 
   // A layer of int4 or w4a8 weights: its matrices only as exact 4-bit blocks in `q4_pack`'s layout
   // (uint8), multiplied in integers by `linear_q4_tiles` in every call. The embedding and head
-  // (`set_head`) are int8, or their 8-bit blocks (`set_q8i`), so the kernel's weight type is int8.
+  // are their exact 8-bit blocks alone (`set_head_blocks`) or int8 rows (`set_head`, with the
+  // blocks of either from `set_q8i`), so the kernel's weight type is int8.
   void add_layer_q4(at::Tensor in_norm, at::Tensor wqkv, std::optional<at::Tensor> bqkv, at::Tensor wo,
                     std::optional<at::Tensor> bo, at::Tensor post_norm, at::Tensor wgu, at::Tensor wdown) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -3265,15 +3267,44 @@ class FastLlamaKernel {
     TORCH_CHECK(wtype_ == at::kChar && head_.w.defined(), "an int8 head must be set first");
     const bool tied = embed_.w.defined() && embed_.w.data_ptr() == head_.w.data_ptr();
     if (head) {
-      check_q4_packed(*head, head_.w.size(0), H_, true);
+      check_q4_packed(*head, head_.n, H_, true);
       head_.q8i = *head;
       if (tied) embed_.q8i = *head;
     }
     if (embed && !tied) {
       TORCH_CHECK(embed_.w.defined(), "no embedding to set");
-      check_q4_packed(*embed, embed_.w.size(0), H_, true);
+      check_q4_packed(*embed, embed_.n, H_, true);
       embed_.q8i = *embed;
     }
+  }
+
+  // In place of `set_head` and `set_q8i`, for int4 and w4a8 whose head and embedding are both made
+  // of exact 8-bit blocks: the kernel holds them only as those blocks (`q8_pack`'s layout), with no
+  // int8 rows beside them (28 MB for SmolLM2-135M's tied pair, which nothing read). `embed` None:
+  // the head is tied to the embedding and its blocks serve both.
+  void set_head_blocks(std::optional<at::Tensor> embed, at::Tensor final_norm, at::Tensor head) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    TORCH_CHECK(wtype_ == at::ScalarType::Undefined || wtype_ == at::kChar, "blocks-only heads are for int4 layers");
+    TORCH_CHECK(!head_.w.defined() && !embed_.w.defined(), "the head is already set");
+    check_f32(final_norm, H_);
+    // A matrix of n rows in q8_pack's layout has n / 16 * H / 32 blocks of kQ8BlockBytes.
+    auto rows = [&](const at::Tensor& t) {
+      const int64_t n = t.numel() / std::max<int64_t>(1, H_ / 32 * kQ8BlockBytes) * kQ4Tile;
+      check_q4_packed(t, n, H_, true);
+      TORCH_CHECK(n > 0, "an empty head");
+      return n;
+    };
+    wtype_ = at::kChar;
+    head_ = Mat();
+    head_.q8i = head;
+    head_.n = rows(head);
+    embed_ = Mat();
+    embed_.q8i = embed ? *embed : head;
+    embed_.n = rows(embed_.q8i);
+    final_norm_ = final_norm;
+#else
+    TORCH_CHECK(false, "int4 weights need a CPU with AVX-512 VNNI");
+#endif
   }
 
   // Layer `l`'s matrix `which` (0 wqkv, 1 wo, 2 wgu, 3 wdown), float32, also as exact 4-bit blocks
@@ -3296,7 +3327,7 @@ class FastLlamaKernel {
   // rows then read them instead of the float32 head.
   void set_head_q8(at::Tensor blocks) {
     TORCH_CHECK(head_.w.defined() && head_.w.scalar_type() == at::kFloat, "a float32 head must be set first");
-    head_.q8 = checked_blocks(blocks, head_.w.size(0), H_, 32 + 4);
+    head_.q8 = checked_blocks(blocks, head_.n, H_, 32 + 4);
   }
 
   static at::Tensor checked_blocks(const at::Tensor& blocks, int64_t N, int64_t K, int64_t bytes) {
@@ -3332,7 +3363,7 @@ class FastLlamaKernel {
   // `argmax_only` is set read it instead of the whole head (see `screened_head`).
   void set_head_screen(at::Tensor codes, at::Tensor scale, at::Tensor wnorm, at::Tensor resid) {
     TORCH_CHECK(head_.w.defined() && head_.w.scalar_type() == at::kFloat, "a float32 head must be set first");
-    const int64_t V = head_.w.size(0);
+    const int64_t V = head_.n;
     TORCH_CHECK(codes.scalar_type() == at::kChar, "screen codes must be int8");
     check_weight(codes, V, H_);
     check_f32(scale, V);
@@ -3387,10 +3418,10 @@ class FastLlamaKernel {
   at::Tensor forward(const at::Tensor& ids, const at::Tensor& slots, const at::Tensor& pos,
                      const at::Tensor& logit_rows, std::optional<at::Tensor> ctx, bool argmax_only) {
     TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous() && ids.dim() == 1);
-    TORCH_CHECK(embed_.w.defined(), "this kernel has no embedding: use forward_hidden");
+    TORCH_CHECK(embed_.n > 0, "this kernel has no embedding: use forward_hidden");
     const int64_t* id = ids.data_ptr<int64_t>();
     for (int64_t m = 0; m < ids.numel(); ++m)
-      TORCH_CHECK(id[m] >= 0 && id[m] < embed_.w.size(0), "token id out of range");
+      TORCH_CHECK(id[m] >= 0 && id[m] < embed_.n, "token id out of range");
     return dispatch(ids.numel(), id, nullptr, slots, pos, logit_rows, ctx, argmax_only);
   }
 
@@ -3555,7 +3586,7 @@ class FastLlamaKernel {
                       const std::optional<at::Tensor>& ctx, bool argmax_only) {
     for (const auto* t : {&slots, &pos, &logit_rows})
       TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1);
-    TORCH_CHECK(!kc_.empty() && cos_.defined() && head_.w.defined(), "kernel not fully set up");
+    TORCH_CHECK(!kc_.empty() && cos_.defined() && head_.n > 0, "kernel not fully set up");
     TORCH_CHECK(slots.numel() == M && pos.numel() == M);
     const int64_t B = kc_[0].size(0), S = kc_[0].size(2);
     const int64_t* sl = slots.data_ptr<int64_t>();
@@ -3614,8 +3645,12 @@ class FastLlamaKernel {
     check_scale(w, scale);
     if (wtype_ == at::ScalarType::Undefined) wtype_ = w.scalar_type();
     TORCH_CHECK(w.scalar_type() == wtype_, "all weights must have one type");
-    const bool paired = paired_ && paired_ok(w.scalar_type(), n, k);
-    return {w, scale.value_or(at::Tensor()), paired};
+    Mat m;
+    m.w = w;
+    m.scale = scale.value_or(at::Tensor());
+    m.paired = paired_ && paired_ok(w.scalar_type(), n, k);
+    m.n = n;
+    return m;
   }
 
   static const float* opt(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
@@ -3668,7 +3703,7 @@ class FastLlamaKernel {
   // The whole head's logits out [R, V] for final-normed rows x [R, H].
   template <typename WT>
   void head_logits(const float* x, int64_t R, float* out) {
-    product<WT>(head_, x, R, H_, head_.w.size(0), nullptr, out, false);
+    product<WT>(head_, x, R, H_, head_.n, nullptr, out, false);
   }
 
   template <typename WT>
@@ -3688,13 +3723,13 @@ class FastLlamaKernel {
     if (x_in != nullptr) {
       std::memcpy(x, x_in, M * H * sizeof(float));
     } else {
-      const WT* emb = wptr<WT>(embed_.w);
-      const float* emb_scale = embed_.sc();
       for (int64_t m = 0; m < M; ++m) {
-        if (embed_.q8i.defined()) {  // int4: the exact row
-          q8_row(embed_.q8i.data_ptr<uint8_t>(), embed_.w.size(0), H, id[m], x + m * H);
+        if (embed_.q8i.defined()) {  // int4, w4a8: the exact row
+          q8_row(embed_.q8i.data_ptr<uint8_t>(), embed_.n, H, id[m], x + m * H);
           continue;
         }
+        const WT* emb = wptr<WT>(embed_.w);
+        const float* emb_scale = embed_.sc();
         const float s = emb_scale ? emb_scale[id[m]] : 1.0f;  // x * 1.0f is exact for the float types
         if (embed_.paired) {  // row id is half of pair id / 2, chunk by chunk
           constexpr int64_t C = kPairChunk<WT>;
@@ -3734,7 +3769,7 @@ class FastLlamaKernel {
       TORCH_CHECK(lr[r] >= 0 && lr[r] < M, "logit row out of range");
       rmsnorm(x + lr[r] * H, 1, H, final_norm_.data_ptr<float>(), eps_, sel.data() + r * H);
     }
-    const int64_t V = head_.w.size(0);
+    const int64_t V = head_.n;
     auto logits = at::empty({R, V}, at::kFloat);
     if constexpr (std::is_same_v<WT, float>) {
       if (screened && R > 0) {
@@ -3761,7 +3796,7 @@ class FastLlamaKernel {
   // the tests check). Rows whose candidates exceed kScreenMost, or whose h is not finite, take
   // the whole head.
   void screened_head(const float* sel, int64_t R, float* out) {
-    const int64_t V = head_.w.size(0), H = H_;
+    const int64_t V = head_.n, H = H_;
     screen_logits_.resize(R * V);
     linear(sel, R, H, wptr<i8>(screen_.w), V, H, screen_.sc(), nullptr, screen_logits_.data(), V,
            false, screen_.paired, schedule_);
@@ -4070,6 +4105,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &FastLlamaKernel::add_layer)
       .def("add_layer_q4", &FastLlamaKernel::add_layer_q4)
       .def("set_q8i", &FastLlamaKernel::set_q8i, pybind11::arg("head"), pybind11::arg("embed") = std::nullopt)
+      .def("set_head_blocks", &FastLlamaKernel::set_head_blocks, pybind11::arg("embed"), pybind11::arg("final_norm"),
+           pybind11::arg("head"))
       .def("set_act8", &FastLlamaKernel::set_act8)
       .def("set_head", &FastLlamaKernel::set_head)
       .def("set_paired", &FastLlamaKernel::set_paired)

@@ -820,7 +820,7 @@ class FastLlama:
         self.dtype = dtype
         self.max_length = max_length
         self.vocab_size: int = config.vocab_size
-        self.device: torch.device = weights["embed"].device
+        self.device: torch.device = weights["norm"].device
         self._w = weights
         self._eps = float(config.rms_norm_eps)
         self._n_layers = len(weights["layers"])
@@ -963,9 +963,9 @@ class FastLlama:
             limit = min(limit, int(config.sliding_window))
         max_length = limit if max_length is None else min(int(max_length), limit)
         weights = _repack(hf_model, dtype, max_length)
-        device = weights["embed"].device
+        device = weights["norm"].device
         use_kernel = bool(use_kernel) and device.type == "cpu" and _load_kernel() is not None
-        if use_kernel and cls.screen_head and weights["head"].dtype == torch.float32:
+        if use_kernel and cls.screen_head and dtype == "float32":
             weights["head_screen"] = _head_screen(weights["head"])
         if use_kernel and cls.q4_weights and dtype == "float32":
             for layer in weights["layers"]:
@@ -981,7 +981,7 @@ class FastLlama:
         if use_kernel and cls.pair_weights:
             mats = [(layer, key) for layer in weights["layers"] for key in _LAYER_MATRICES]
             mats.append((weights, "embed"))
-            if weights["head"] is not weights["embed"]:  # a tied head is the embedding's storage
+            if weights["head"] is not weights["embed"]:  # tied: the embedding (or both None)
                 mats.append((weights, "head"))
             if "head_screen" in weights:
                 mats.append((weights["head_screen"], "codes"))
@@ -1027,11 +1027,14 @@ class FastLlama:
             for which, key in enumerate(_LAYER_MATRICES):
                 if lw.get(key + "_q4") is not None:
                     k.set_q4(i, which, lw[key + "_q4"])
-        k.set_head(w["embed"], w["norm"], w["head"], w["embed_scale"], w["head_scale"])
+        if w["head"] is None:  # int4, w4a8: the head and embedding as their 8-bit blocks only
+            k.set_head_blocks(w.get("embed_q8i"), w["norm"], w["head_q8i"])
+        else:
+            k.set_head(w["embed"], w["norm"], w["head"], w["embed_scale"], w["head_scale"])
+            if w.get("head_q8i") is not None or w.get("embed_q8i") is not None:
+                k.set_q8i(w.get("head_q8i"), w.get("embed_q8i"))
         if w.get("head_q8") is not None:
             k.set_head_q8(w["head_q8"])
-        if w.get("head_q8i") is not None or w.get("embed_q8i") is not None:
-            k.set_q8i(w.get("head_q8i"), w.get("embed_q8i"))
         k.set_act8(self.dtype == "w4a8")
         k.set_block_rows(self.q4_rows, self.head_q8_rows)
         if "head_screen" in w:
@@ -1114,10 +1117,10 @@ class FastLlama:
             for key in _LAYER_MATRICES:
                 if layer.get(key + "_q4") is not None:
                     unread.append(layer[key] if blocks and self.q4_rows > 0 else layer[key + "_q4"])
-        if w.get("head_q8i") is not None:  # int4, w4a8 read the head's 8-bit blocks, not its int8 rows
-            unread.append(w["head"])
-        if w.get("embed_q8i") is not None:  # ... and an untied embedding's rows from its blocks
-            unread.append(w["embed"])
+        if w.get("head_q8i") is not None and w["head"] is not None:  # int4, w4a8 read the head's
+            unread.append(w["head"])  # 8-bit blocks, not its int8 rows where it has them too
+        if w.get("embed_q8i") is not None and w["embed"] is not None:  # ... and an untied
+            unread.append(w["embed"])  # embedding's rows from its blocks
         head_q8 = [w["head_q8"]] if w.get("head_q8") is not None else []
         screen = w.get("head_screen")
         if greedy and screen is not None:  # the screen and a few rows of the head
@@ -1518,7 +1521,9 @@ def _repack(hf_model: Any, dtype: str, max_length: int) -> dict[str, Any]:
     """Fused, contiguous weight matrices in ``dtype`` (one of ``DTYPES``).
 
     Norms, biases and RoPE tables stay float32. Each matrix ``name`` comes with ``name + "_scale"``:
-    its per-row scales ``[N]`` float32 for int8, None otherwise.
+    its per-row scales ``[N]`` float32 for int8, None otherwise. int4 and w4a8 hold their layer
+    matrices as ``name + "_q4i"`` blocks and, where the head and embedding are exact Q8_0 blocks,
+    ``"head_q8i"`` (and ``"embed_q8i"`` untied) in place of ``"head"`` and ``"embed"``.
     """
     inner = hf_model.model
 
@@ -1555,16 +1560,21 @@ def _repack(hf_model: Any, dtype: str, max_length: int) -> dict[str, Any]:
                 **layer_mat("wdown", i, mlp.down_proj.weight),
             }
         )
-    embed, embed_scale = mat(inner.embed_tokens.weight)
     lm_head = hf_model.get_output_embeddings().weight
     tied = lm_head.data_ptr() == inner.embed_tokens.weight.data_ptr()
-    # A tied head is the embedding's tensors themselves (one copy, counted once by weight_bytes).
-    head, head_scale = (embed, embed_scale) if tied else mat(lm_head)
-    # int4, w4a8: a head and an embedding made of exact Q8_0 blocks are also kept as them
-    # (``q8_pack``; a tied pair once), which the kernel then reads instead of the int8 rows.
+    # int4, w4a8: a head and an embedding made of exact Q8_0 blocks are kept as them (``q8_pack``;
+    # a tied pair once), which the kernel reads instead of int8 rows. Where both are (SmolLM2's
+    # tied pair), they are kept only as blocks ("embed" and "head" None); otherwise the int8 rows
+    # stay beside whichever has blocks.
     blocks = dtype in KERNEL_ONLY_DTYPES
     head_q8i = _q8_packed(lm_head) if blocks else None
     embed_q8i = _q8_packed(inner.embed_tokens.weight) if blocks and not tied else None
+    if head_q8i is not None and (tied or embed_q8i is not None):
+        embed = embed_scale = head = head_scale = None
+    else:
+        embed, embed_scale = mat(inner.embed_tokens.weight)
+        # A tied head is the embedding's tensors themselves (one copy, counted once by weight_bytes).
+        head, head_scale = (embed, embed_scale) if tied else mat(lm_head)
     # Same arithmetic as HF's rotary embedding: float32 position * inv_freq, cos/sin, then the
     # attention scaling, so the tables are bitwise HF's.
     rot = inner.rotary_emb
@@ -1601,7 +1611,8 @@ def _onto_huge_pages(weights: dict[str, Any]) -> None:
         for name in (key, key + "_q4", key + "_q4i")
         if layer.get(name) is not None
     ]
-    slots.append((weights, "embed"))
+    if weights["embed"] is not None:  # None: int4's blocks only
+        slots.append((weights, "embed"))
     for key in ("head_q8", "head_q8i", "embed_q8i"):
         if weights.get(key) is not None:
             slots.append((weights, key))
