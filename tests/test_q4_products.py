@@ -114,6 +114,12 @@ def test_q4_layout_errors_are_clear() -> None:
         KERNEL.q4_linear(torch.randn(2, 64), packed[:-1].contiguous(), 32)
     with pytest.raises(RuntimeError, match="columns in 32s"):
         KERNEL.q4_linear(torch.randn(2, 48), packed, 32)
+    # The layout holds d and m as float16, as GGUF does: a scale that is not one is refused.
+    with pytest.raises(RuntimeError, match="is not a float16 value"):
+        KERNEL.q4_pack(q, dm + 1e-6)
+    q8, d8 = fast_llama._q8_blocks(_q8_matrix(32, 64, seed=2))
+    with pytest.raises(RuntimeError, match="is not a float16 value"):
+        KERNEL.q8_pack(q8, d8 * (1 + 2.0**-20))
 
 
 def _q8_matrix(n: int, k: int, seed: int) -> torch.Tensor:

@@ -1994,9 +1994,9 @@ inline void weighted_rows(const float* p, const KT* v, int64_t j0, int64_t j1, i
 }
 
 constexpr int64_t kQ4Tile = 16;                         // weight rows per tile
-constexpr int64_t kQ4BlockBytes = 256 + 2 * 16 * 4;     // codes, d, m of one tile's block
+constexpr int64_t kQ4BlockBytes = 256 + 2 * 16 * 2;     // codes, d, m (float16) of one tile's block
 constexpr int kQ4Group = 4;                             // tiles per thread work item
-constexpr int64_t kQ8BlockBytes = 512 + 2 * 16 * 4;     // codes, d, code sums of one tile's block (`q8_pack`)
+constexpr int64_t kQ8BlockBytes = 512 + 2 * 16 * 2;     // codes, d (float16), code sums (int16) of one tile's block (`q8_pack`)
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // Exact 4-bit blocks against int16 activations, in integers (a prototype of an int4 weight format;
 // session 41). A Q4_1 block of 32 weights is d * q + m, q in 0..15 (`_q4_blocks`). With each input
@@ -2010,10 +2010,15 @@ constexpr int64_t kQ8BlockBytes = 512 + 2 * 16 * 4;     // codes, d, code sums o
 // shares the call, so the outputs do not depend on how many rows a call holds.
 //
 // Layout (`q4_pack`): weight rows in tiles of 16, tiles in groups of kQ4Group (the last may hold
-// fewer); per tile and block, 256 bytes of codes then d[16] and m[16] (float32): 384 bytes; a group
-// holds its tiles' first blocks, then their second, and so on, so that a pass over it reads one
-// stream from memory. Codes vector j (0..3) holds,
-// per row r, the 4 bytes GGUF packs for the block's columns 4j .. 4j + 3 (low nibbles) and 16 + 4j
+// fewer); per tile and block, 256 bytes of codes then d[16] and m[16] as float16, as GGUF stores
+// them (widened exactly when read): 320 bytes, 5 bits a weight. With float32 scales (384 bytes,
+// sessions 41-42) a greedy step read 17% more, and cost more (SmolLM2-135M at 200 cached tokens,
+// one model per build alternating, benchmarks/layout_ab.py, min ms, float32 / float16 scales:
+// w4a8 1 token 3.96 / 3.39, 5 tokens 5.00 / 4.51; int4 3.85 / 3.23, 5.64 / 5.35; the head's
+// `q8_pack` blocks went from 640 to 576 bytes the same way). Every output is bitwise the same. A
+// group holds its tiles' first blocks, then
+// their second, and so on, so that a pass over it reads one stream from memory. Codes vector j
+// (0..3) holds, per row r, the 4 bytes GGUF packs for the block's columns 4j .. 4j + 3 (low nibbles) and 16 + 4j
 // .. 16 + 4j + 3 (high nibbles), so one `and` gives the 16 rows' 4 codes of one column quad in each
 // 32-bit lane, and a shift and an `and` the other quad.
 constexpr int kQ4Rows = 5;                              // input rows per pass at most
@@ -2059,6 +2064,16 @@ inline void block_tiles(int64_t B, const uint8_t* w, int64_t bstride, const floa
       if (accumulate) o = _mm512_add_ps(_mm512_loadu_ps(out), o);
       _mm512_storeu_ps(out, o);
     }
+}
+
+// 16 float16 scales at p (a tile's d or m), widened to float32: exact.
+inline __m512 load_half16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// 16 int16 at p (a tile's code sums), widened to int32.
+inline __m512i load_int16x16(const uint8_t* p) {
+  return _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 // Codes vector j (0..3) of NT tiles' 4-bit blocks at blk (tile u's at blk + u * kQ4BlockBytes),
@@ -2109,8 +2124,8 @@ inline void q4_tile(const i8* hi, const uint8_t* lo, const float* asum, int64_t 
     }
 #pragma GCC unroll 4
     for (int u = 0; u < NT; ++u) {
-      const float* dm = reinterpret_cast<const float*>(blk + u * kQ4BlockBytes + 256);
-      const __m512 d = _mm512_loadu_ps(dm), m = _mm512_loadu_ps(dm + 16);
+      const uint8_t* dm = blk + u * kQ4BlockBytes + 256;
+      const __m512 d = load_half16(dm), m = load_half16(dm + 32);
 #pragma GCC unroll 5
       for (int i = 0; i < MR; ++i) {
         const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(h[i][u], 8), l[i][u]);
@@ -2126,7 +2141,7 @@ inline void q4_tile(const i8* hi, const uint8_t* lo, const float* asum, int64_t 
 // block's sum of codes, stored with it, takes the offset back out. `sum q a` is an exact int32 (at
 // most 127 * 32767 * 32 < 2^31) but may exceed 2^24: its conversion to float32 rounds, the same
 // way for every row. Layout (`q8_pack`): as `q4_pack`'s, with 512 bytes of codes (vector j: 16
-// rows' codes of columns 4j .. 4j + 3), d[16] float32 and the code sums[16] int32 per tile and
+// rows' codes of columns 4j .. 4j + 3), d[16] float16 and the code sums[16] int16 per tile and
 // block.
 template <int MR, int NT>
 inline void q8_tile(const uint8_t* hi, const uint8_t* lo, int64_t K, const uint8_t* w, int64_t bstride,
@@ -2155,8 +2170,8 @@ inline void q8_tile(const uint8_t* hi, const uint8_t* lo, int64_t K, const uint8
 #pragma GCC unroll 4
     for (int u = 0; u < NT; ++u) {
       const uint8_t* tail = blk + u * kQ8BlockBytes + 512;
-      const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(tail));
-      const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(tail + 64), 7);  // 128 * sum q
+      const __m512 d = load_half16(tail);
+      const __m512i offset = _mm512_slli_epi32(load_int16x16(tail + 32), 7);  // 128 * sum q
 #pragma GCC unroll 5
       for (int i = 0; i < MR; ++i) {
         const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_sub_epi32(h[i][u], offset), 8), l[i][u]);
@@ -2245,8 +2260,8 @@ inline void q4a8_tile(const uint8_t* a, const float* da, const float* sa, int64_
     }
 #pragma GCC unroll 4
     for (int u = 0; u < NT; ++u) {
-      const float* dm = reinterpret_cast<const float*>(blk + u * kQ4BlockBytes + 256);
-      const __m512 d = _mm512_loadu_ps(dm), m = _mm512_loadu_ps(dm + 16);
+      const uint8_t* dm = blk + u * kQ4BlockBytes + 256;
+      const __m512 d = load_half16(dm), m = load_half16(dm + 32);
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
         const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(da[i * B + b]));
@@ -2284,8 +2299,8 @@ inline void q8a8_tile(const uint8_t* a, const float* da, int64_t K, const uint8_
 #pragma GCC unroll 4
     for (int u = 0; u < NT; ++u) {
       const uint8_t* tail = blk + u * kQ8BlockBytes + 512;
-      const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(tail));
-      const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(tail + 64), 7);  // 128 * sum q
+      const __m512 d = load_half16(tail);
+      const __m512i offset = _mm512_slli_epi32(load_int16x16(tail + 32), 7);  // 128 * sum q
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
         const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(da[i * B + b]));
@@ -2879,6 +2894,14 @@ void check_q4_packed(const at::Tensor& t, int64_t n, int64_t k, bool q8 = false)
               "an int4 matrix must be ", q8 ? "q8_pack" : "q4_pack", "'s output for [", n, ", ", k, "]");
 }
 
+// x stored at p as float16, which must hold it exactly (GGUF's block scales are float16).
+inline void store_half_exact(uint8_t* p, float x) {
+  const uint16_t h = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
+  const float back = _cvtsh_ss(h);
+  TORCH_CHECK(std::memcmp(&back, &x, 4) == 0, "a block scale ", x, " is not a float16 value");
+  std::memcpy(p, &h, 2);
+}
+
 // The order both block layouts keep: tiles in groups of kQ4Group, and in each group the tiles' first
 // blocks, then their second, and so on; `fill(at, t, b)` writes tile t's block b, `bytes` long, at at.
 template <typename Fill>
@@ -2889,7 +2912,7 @@ void each_tile_block(int64_t tiles, int64_t B, int64_t bytes, uint8_t* at, const
 }
 
 // `q8_pack`: exact 8-bit blocks (q [N, K / 32, 32] int8, d [N, K / 32] float32) in `q8_tile`'s
-// layout, [N / 16 * K / 32 * 640] uint8.
+// layout, [N / 16 * K / 32 * 576] uint8.
 at::Tensor q8_pack_op(const at::Tensor& q, const at::Tensor& d) {
   TORCH_CHECK(q.dim() == 3 && q.size(2) == 32 && q.scalar_type() == at::kChar && q.is_contiguous(),
               "q must be contiguous int8 [N, K / 32, 32]");
@@ -2901,14 +2924,13 @@ at::Tensor q8_pack_op(const at::Tensor& q, const at::Tensor& d) {
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* dp = d.data_ptr<float>();
   each_tile_block(N / kQ4Tile, B, kQ8BlockBytes, out.data_ptr<uint8_t>(), [&](uint8_t* o, int64_t t, int64_t b) {
-    float* dd = reinterpret_cast<float*>(o + 512);
-    int32_t* sums = reinterpret_cast<int32_t*>(o + 576);
     for (int64_t r = 0; r < kQ4Tile; ++r) {
       const int8_t* codes = qp + ((t * kQ4Tile + r) * B + b) * 32;
       for (int64_t j = 0; j < 8; ++j) std::memcpy(o + 64 * j + 4 * r, codes + 4 * j, 4);
-      dd[r] = dp[(t * kQ4Tile + r) * B + b];
-      sums[r] = 0;
-      for (int64_t k = 0; k < 32; ++k) sums[r] += codes[k];
+      store_half_exact(o + 512 + 2 * r, dp[(t * kQ4Tile + r) * B + b]);
+      int16_t sum = 0;  // |sum| <= 32 * 128
+      for (int64_t k = 0; k < 32; ++k) sum = static_cast<int16_t>(sum + codes[k]);
+      std::memcpy(o + 544 + 2 * r, &sum, 2);
     }
   });
   return out;
@@ -2921,15 +2943,16 @@ void q8_row(const uint8_t* packed, int64_t N, int64_t K, int64_t r, float* out) 
   const uint8_t* group = packed + t0 * B * kQ8BlockBytes;
   for (int64_t b = 0; b < B; ++b) {
     const uint8_t* blk = group + (b * G + (t - t0)) * kQ8BlockBytes;
-    float d;
-    std::memcpy(&d, blk + 512 + 4 * rr, 4);
+    uint16_t h;
+    std::memcpy(&h, blk + 512 + 2 * rr, 2);
+    const float d = _cvtsh_ss(h);
     for (int64_t j = 0; j < 8; ++j)
       for (int64_t i = 0; i < 4; ++i) out[32 * b + 4 * j + i] = d * static_cast<float>(static_cast<int8_t>(blk[64 * j + 4 * rr + i]));
   }
 }
 
 // `q4_pack`: exact 4-bit blocks (q [N, K / 32, 16] uint8 as GGUF packs them, dm [N, K / 32, 2]
-// float32: d, m) in `linear_q4_tiles`' layout, [N / 16 * K / 32 * 384] uint8.
+// float32: d, m) in `linear_q4_tiles`' layout, [N / 16 * K / 32 * 320] uint8.
 at::Tensor q4_pack_op(const at::Tensor& q, const at::Tensor& dm) {
   TORCH_CHECK(q.dim() == 3 && q.size(2) == 16 && q.scalar_type() == at::kByte && q.is_contiguous(),
               "q must be contiguous uint8 [N, K / 32, 16]");
@@ -2942,12 +2965,11 @@ at::Tensor q4_pack_op(const at::Tensor& q, const at::Tensor& dm) {
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* dp = dm.data_ptr<float>();
   each_tile_block(N / kQ4Tile, B, kQ4BlockBytes, out.data_ptr<uint8_t>(), [&](uint8_t* o, int64_t t, int64_t b) {
-    float* d = reinterpret_cast<float*>(o + 256);
     for (int64_t r = 0; r < kQ4Tile; ++r) {
       const int64_t n = t * kQ4Tile + r;
       for (int64_t j = 0; j < 4; ++j) std::memcpy(o + 64 * j + 4 * r, qp + (n * B + b) * 16 + 4 * j, 4);
-      d[r] = dp[(n * B + b) * 2];
-      d[kQ4Tile + r] = dp[(n * B + b) * 2 + 1];
+      store_half_exact(o + 256 + 2 * r, dp[(n * B + b) * 2]);
+      store_half_exact(o + 288 + 2 * r, dp[(n * B + b) * 2 + 1]);
     }
   });
   return out;
