@@ -2317,14 +2317,23 @@ inline void q8a8_tile(const uint8_t* a, const float* da, int64_t K, const uint8_
 // rows 3.20 -> 2.82, 5 rows 3.40 -> 3.35, 9 rows 6.60 (4.70 at 6 by 2) -> 4.67, 128 rows 60.1 (50.8)
 // -> 50.3; w4a8 greedy steps at 200 cached tokens (benchmarks/kernel_ab.py, against 6 by 2): 3
 // tokens 5.03 -> 4.57, 5 tokens 6.00 -> 5.60 ms.
-constexpr int kQ4A8Rows = 4;
+// Calls of at most kQ4A8Rows rows (decoding steps; a verification of k = 4 drafts) take one pass
+// of all their rows, wider ones passes of kQ4A8WideRows. Five rows in one pass, not 4 + 1, made the
+// 120 layer products at 5 rows 5% cheaper (SmolLM2-135M, two builds alternating, 12 rounds, min ms:
+// 3.32 -> 3.17, and 3.44 -> 3.27 in a second run), a 5-token w4a8 step at most 3.5% (within the
+// noise: benchmarks/kernel_ab.py min / median ms, 16 rounds 4.55 / 4.92 -> 4.39 / 4.72, 14 rounds
+// 4.31 / 4.66 -> 4.30 / 4.53); passes of 5 throughout made 128 rows 4% dearer (49.65 -> 51.69), so
+// prompts keep passes of 4 (128 rows 49.75 -> 49.67 with this rule).
+constexpr int kQ4A8Rows = 5;
+constexpr int kQ4A8WideRows = 4;
 constexpr int kQ4A8Tiles = kQ4Group;
 
 // y[M, N] (+)= x[M, K] @ W^T + bias, W [N, K] as exact 4-bit blocks in `q4_pack`'s layout (N % 16 == 0,
 // K % 32 == 0). Threads split groups of kQ4Group tiles; each group meets every input row, up to
 // kQ4Rows at a time, while it sits in L1 / L2; the first pass asks for the next blocks ahead.
 // With Q8: W as exact 8-bit blocks in `q8_pack`'s layout (`q8_tile`), the same way. With A8: the
-// activations as 8-bit blocks (`quantize_blocks8`; `q4a8_tile`, `q8a8_tile`), up to kQ4A8Rows at a time.
+// activations as 8-bit blocks (`quantize_blocks8`; `q4a8_tile`, `q8a8_tile`), up to kQ4A8Rows at a time
+// (kQ4A8WideRows in wider calls).
 template <bool Q8 = false, bool A8 = false>
 void linear_q4_tiles(const float* x, int64_t M, int64_t ldx, const uint8_t* wt, int64_t N, int64_t K,
                      const float* bias, float* y, int64_t ldy, bool accumulate) {
@@ -2347,7 +2356,7 @@ void linear_q4_tiles(const float* x, int64_t M, int64_t ldx, const uint8_t* wt, 
       // of 2 rows by 2 tiles was slower (int4 greedy steps at 200 cached tokens, SmolLM2-135M, two
       // builds alternating, min ms: 2 tokens 5.65 -> 4.85, 1 token 3.76 -> 3.69; one row at a
       // time for 3 tokens no faster, for 4 and 5 slower).
-      const int64_t step = !A8 && M <= 2 ? 1 : kRows;
+      const int64_t step = A8 ? (M <= kQ4A8Rows ? kQ4A8Rows : kQ4A8WideRows) : M <= 2 ? 1 : kRows;
       for (int64_t m = 0; m < M; m += step) {
         const int64_t mr = std::min<int64_t>(step, M - m);
         with_rows<kRows>(mr, [&](auto R) {
