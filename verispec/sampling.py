@@ -119,30 +119,32 @@ def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
 def _top_p_mask(scaled: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask all but the smallest prefix of tokens (by probability) whose mass reaches ``top_p``.
 
+    A token stays if the mass of the tokens ranked before it is below ``top_p``, so the first token
+    always stays. The ranking is found among the ``k`` most probable tokens (``torch.topk``), with
+    ``k`` growing eightfold from 64 until every row's prefix ends inside it: its mass reaches
+    ``top_p``, so every token after it is masked. Sorting the whole vocabulary instead took 3.7 ms
+    for one row and 11.7 ms for five (V = 49152, one 2-core Zen 4), more than the model's step.
+
     Args:
         scaled: ``[B, T, V]`` temperature-scaled logits (possibly already top-k masked).
         top_p: ``[B, 1, 1]``.
-    """
-    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
-    sorted_probs = torch.softmax(sorted_logits, dim=-1)
-    # A token stays if the mass strictly before it is below top_p: the first token always stays.
-    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    drop_sorted = mass_before >= top_p
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return scaled.masked_fill(drop, -torch.inf)
-
-
-def sample(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """Draw one token per row, each row from its own generator.
-
-    Args:
-        probs: ``[B, V]``.
-        generators: one per row (None uses the global generator).
 
     Returns:
-        ``[B]`` int64.
+        ``scaled`` with the dropped tokens set to ``-inf``, ``[B, T, V]``.
     """
-    out = torch.empty(probs.shape[0], dtype=torch.int64)
-    for row, gen in enumerate(generators):
-        out[row] = torch.multinomial(probs[row], 1, generator=gen)[0]
-    return out
+    probs = torch.softmax(scaled, dim=-1)
+    vocab = probs.shape[-1]
+    k = min(vocab, _TOP_P_FIRST)
+    while True:
+        top, order = torch.topk(probs, k, dim=-1)  # [B, T, k], descending
+        top = top.double()  # the masses summed in float64: thousands of terms may precede the cut
+        mass = torch.cumsum(top, dim=-1)
+        if k == vocab or bool((mass[..., -1:] >= top_p).all()):
+            break
+        k = min(vocab, k * 8)
+    keep_sorted = mass - top < top_p  # the mass strictly before each token
+    keep = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, keep_sorted)
+    return scaled.masked_fill(~keep, -torch.inf)
+
+
+_TOP_P_FIRST = 64  # tokens ranked in :func:`_top_p_mask`'s first try
