@@ -130,7 +130,7 @@ def test_first_three_tokens_follow_target_law(temperature, top_k, top_p):
 def broken_rejection_sample(draft_tokens, draft_probs, target_probs, num_draft, generators):
     """The classic bug: after a rejection, resample from the target instead of the residual."""
     batch, k = draft_tokens.shape
-    rand = uniforms(generators, k + 1, target_probs.dtype)
+    rand = uniforms(generators, k + 1)
     p_t = target_probs[:, :k].gather(-1, draft_tokens[..., None])[..., 0]
     p_d = (
         torch.ones_like(p_t)
@@ -172,7 +172,7 @@ class EstimatingDraft:
         tokens, probs, accept = [], [], []
         for _ in range(k):
             q = logits_to_probs(self.table[prev], params)  # [B, V]
-            tok = inverse_cdf(q, uniforms(generators, 1, q.dtype)[:, 0])
+            tok = inverse_cdf(q, uniforms(generators, 1)[:, 0])
             tokens.append(tok)
             probs.append(q)
             accept.append(self.estimate(q, prev, tok))

@@ -1,9 +1,10 @@
-"""The top-p mask of the shared sampling transform (``verispec.sampling._top_p_mask``).
+"""The top-p mask of the shared sampling transform (``verispec.sampling._top_p_mask``), and the
+precision of the draws (``verispec.rejection.inverse_cdf``, ``uniforms``).
 
-It ranks only the most probable tokens (``torch.topk``, widening until each row's prefix ends inside
-the ranked window) instead of sorting the vocabulary. These tests hold it to the definition, against
-a float64 sort of the whole vocabulary: a token stays when the mass ranked before it is below top_p.
-Decisions may differ only where that mass lies within rounding of top_p.
+The mask ranks only the most probable tokens (``torch.topk``, widening until each row's prefix
+ends inside the ranked window) instead of sorting the vocabulary. These tests hold it to the
+definition, against a float64 sort of the whole vocabulary: a token stays when the mass ranked
+before it is below top_p. Decisions may differ only where that mass lies within rounding of top_p.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from verispec.rejection import inverse_cdf, uniforms
 from verispec.sampling import _top_p_mask
 
 V = 49152  # the default model's vocabulary
@@ -54,3 +56,15 @@ def test_top_p_edges() -> None:
     masked[..., 10:] = -torch.inf  # what top-k leaves
     got = torch.isfinite(_top_p_mask(masked, torch.full((1, 1, 1), 0.999999)))
     assert int(got.sum()) == 10 and bool(got[..., :10].all())
+
+
+def test_draws_resolve_tokens_far_below_float32s_grid() -> None:
+    """Uniforms are float64 and the cdf is summed in float64. In float32 the running sum 0.5 + 1e-9
+    rounds back to 0.5, leaving the middle token no interval to be drawn in, and a float32 uniform
+    could not fall inside it anyway (its grid is 2^-24)."""
+    probs = torch.tensor([[0.5, 1e-9, 0.5]])  # float32, as the engine's
+    inside = torch.tensor([0.5000000005 / (1 + 1e-9)], dtype=torch.float64)
+    assert int(inverse_cdf(probs, inside)[0]) == 1
+    assert int(inverse_cdf(probs, torch.tensor([0.4], dtype=torch.float64))[0]) == 0
+    assert int(inverse_cdf(probs, torch.tensor([0.6], dtype=torch.float64))[0]) == 2
+    assert uniforms([None, torch.Generator().manual_seed(0)], 3).dtype == torch.float64

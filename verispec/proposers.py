@@ -76,7 +76,7 @@ def draw(
     if params.all_greedy:
         return logits.argmax(dim=-1), None
     probs = logits_to_probs(logits, params)  # [B, V]
-    return inverse_cdf(probs, uniforms(generators, 1, probs.dtype)[:, 0].to(probs.device)), probs
+    return inverse_cdf(probs, uniforms(generators, 1)[:, 0].to(probs.device)), probs
 
 
 def expected_acceptance(probs: torch.Tensor) -> torch.Tensor:
