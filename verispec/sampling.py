@@ -116,6 +116,9 @@ def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
     return probs
 
 
+_TOP_P_FIRST = 64  # tokens ranked in :func:`_top_p_mask`'s first try
+
+
 def _top_p_mask(scaled: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask all but the smallest prefix of tokens (by probability) whose mass reaches ``top_p``.
 
@@ -123,7 +126,8 @@ def _top_p_mask(scaled: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     always stays. The ranking is found among the ``k`` most probable tokens (``torch.topk``), with
     ``k`` growing eightfold from 64 until every row's prefix ends inside it: its mass reaches
     ``top_p``, so every token after it is masked. Sorting the whole vocabulary instead took 3.7 ms
-    for one row and 11.7 ms for five (V = 49152, one 2-core Zen 4), more than the model's step.
+    for one row and 12-14 ms for five (V = 49152, a 2-core Zen 4; ``benchmarks/sampling_cost.py``),
+    more than the model's step.
 
     Args:
         scaled: ``[B, T, V]`` temperature-scaled logits (possibly already top-k masked).
@@ -145,6 +149,3 @@ def _top_p_mask(scaled: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     keep_sorted = mass - top < top_p  # the mass strictly before each token
     keep = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, keep_sorted)
     return scaled.masked_fill(~keep, -torch.inf)
-
-
-_TOP_P_FIRST = 64  # tokens ranked in :func:`_top_p_mask`'s first try
