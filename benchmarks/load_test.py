@@ -77,7 +77,7 @@ def crossover(args: argparse.Namespace) -> None:
 
     torch.set_grad_enabled(False)
     biggest = max(args.batch)
-    target = load_model(args.model, max_batch_size=biggest, max_length=args.max_model_len)
+    target = load_model(args.model, dtype=args.dtype, max_batch_size=biggest, max_length=args.max_model_len)
     proposer = build_proposer(target, args.speculative_model, lookup_only(args), max_batch_size=biggest)
     tok = target.tokenizer
     texts = bench_prompts(args.categories, biggest)
@@ -385,6 +385,7 @@ def main() -> None:
         )
         s.add_argument("--max-tokens", type=int, default=64)
         s.add_argument("--max-model-len", type=int, default=2048)
+        s.add_argument("--dtype", default="float32", help="weight format (server and in process)")
         s.add_argument("--categories", nargs="+", default=["summarization", "rag", "mt_bench", "qa"])
     c = sub.choices["crossover"]
     c.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 16])
@@ -397,7 +398,6 @@ def main() -> None:
         s = sub.choices[name]
         s.add_argument("--num-speculative-tokens", "-k", type=int, default=4)
         s.add_argument("--batch-policy", default=None, help="passed to the server (default: its policy)")
-        s.add_argument("--dtype", default="float32", help="weight format (server and in process)")
     cmp = sub.choices["compare"]
     cmp.add_argument("--per-category", type=int, default=2)
     args = p.parse_args()
