@@ -1994,9 +1994,14 @@ inline void weighted_rows(const float* p, const KT* v, int64_t j0, int64_t j1, i
 }
 
 constexpr int64_t kQ4Tile = 16;                         // weight rows per tile
-constexpr int64_t kQ4BlockBytes = 256 + 2 * 16 * 2;     // codes, d, m (float16) of one tile's block
+constexpr int64_t kTileHalves = 2 * kQ4Tile;            // bytes of 16 float16 or int16 values, one per row
+// One tile's block in `q4_pack`'s layout: codes, then d and m (float16); in `q8_pack`'s: codes, then
+// d (float16) and the code sums (int16). The *At constants are where each part starts.
+constexpr int64_t kQ4CodeBytes = 256, kQ4DAt = kQ4CodeBytes, kQ4MAt = kQ4DAt + kTileHalves;
+constexpr int64_t kQ4BlockBytes = kQ4MAt + kTileHalves;
+constexpr int64_t kQ8CodeBytes = 512, kQ8DAt = kQ8CodeBytes, kQ8SumAt = kQ8DAt + kTileHalves;
+constexpr int64_t kQ8BlockBytes = kQ8SumAt + kTileHalves;
 constexpr int kQ4Group = 4;                             // tiles per thread work item
-constexpr int64_t kQ8BlockBytes = 512 + 2 * 16 * 2;     // codes, d (float16), code sums (int16) of one tile's block (`q8_pack`)
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // Exact 4-bit blocks against int16 activations, in integers (a prototype of an int4 weight format;
 // session 41). A Q4_1 block of 32 weights is d * q + m, q in 0..15 (`_q4_blocks`). With each input
@@ -2016,11 +2021,11 @@ constexpr int64_t kQ8BlockBytes = 512 + 2 * 16 * 2;     // codes, d (float16), c
 // one model per build alternating, benchmarks/layout_ab.py, min ms, float32 / float16 scales:
 // w4a8 1 token 3.96 / 3.39, 5 tokens 5.00 / 4.51; int4 3.85 / 3.23, 5.64 / 5.35; the head's
 // `q8_pack` blocks went from 640 to 576 bytes the same way). Every output is bitwise the same. A
-// group holds its tiles' first blocks, then
-// their second, and so on, so that a pass over it reads one stream from memory. Codes vector j
-// (0..3) holds, per row r, the 4 bytes GGUF packs for the block's columns 4j .. 4j + 3 (low nibbles) and 16 + 4j
-// .. 16 + 4j + 3 (high nibbles), so one `and` gives the 16 rows' 4 codes of one column quad in each
-// 32-bit lane, and a shift and an `and` the other quad.
+// group holds its tiles' first blocks, then their second, and so on, so that a pass over it reads
+// one stream from memory. Codes vector j (0..3) holds, per row r, the 4 bytes GGUF packs for the
+// block's columns 4j .. 4j + 3 (low nibbles) and 16 + 4j .. 16 + 4j + 3 (high nibbles), so one `and`
+// gives the 16 rows' 4 codes of one column quad in each 32-bit lane, and a shift and an `and` the
+// other quad.
 constexpr int kQ4Rows = 5;                              // input rows per pass at most
 // The first pass asks for bytes this far ahead, into L2 (`_MM_HINT_T1`): into L1 instead, int4
 // greedy steps cost 7-20% more (SmolLM2-135M at 200 cached tokens, benchmarks/kernel_ab.py, min
@@ -2124,8 +2129,8 @@ inline void q4_tile(const i8* hi, const uint8_t* lo, const float* asum, int64_t 
     }
 #pragma GCC unroll 4
     for (int u = 0; u < NT; ++u) {
-      const uint8_t* dm = blk + u * kQ4BlockBytes + 256;
-      const __m512 d = load_half16(dm), m = load_half16(dm + 32);
+      const uint8_t* tile = blk + u * kQ4BlockBytes;
+      const __m512 d = load_half16(tile + kQ4DAt), m = load_half16(tile + kQ4MAt);
 #pragma GCC unroll 5
       for (int i = 0; i < MR; ++i) {
         const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(h[i][u], 8), l[i][u]);
@@ -2169,9 +2174,9 @@ inline void q8_tile(const uint8_t* hi, const uint8_t* lo, int64_t K, const uint8
     }
 #pragma GCC unroll 4
     for (int u = 0; u < NT; ++u) {
-      const uint8_t* tail = blk + u * kQ8BlockBytes + 512;
-      const __m512 d = load_half16(tail);
-      const __m512i offset = _mm512_slli_epi32(load_int16x16(tail + 32), 7);  // 128 * sum q
+      const uint8_t* tile = blk + u * kQ8BlockBytes;
+      const __m512 d = load_half16(tile + kQ8DAt);
+      const __m512i offset = _mm512_slli_epi32(load_int16x16(tile + kQ8SumAt), 7);  // 128 * sum q
 #pragma GCC unroll 5
       for (int i = 0; i < MR; ++i) {
         const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_sub_epi32(h[i][u], offset), 8), l[i][u]);
@@ -2260,8 +2265,8 @@ inline void q4a8_tile(const uint8_t* a, const float* da, const float* sa, int64_
     }
 #pragma GCC unroll 4
     for (int u = 0; u < NT; ++u) {
-      const uint8_t* dm = blk + u * kQ4BlockBytes + 256;
-      const __m512 d = load_half16(dm), m = load_half16(dm + 32);
+      const uint8_t* tile = blk + u * kQ4BlockBytes;
+      const __m512 d = load_half16(tile + kQ4DAt), m = load_half16(tile + kQ4MAt);
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
         const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(da[i * B + b]));
@@ -2298,9 +2303,9 @@ inline void q8a8_tile(const uint8_t* a, const float* da, int64_t K, const uint8_
     }
 #pragma GCC unroll 4
     for (int u = 0; u < NT; ++u) {
-      const uint8_t* tail = blk + u * kQ8BlockBytes + 512;
-      const __m512 d = load_half16(tail);
-      const __m512i offset = _mm512_slli_epi32(load_int16x16(tail + 32), 7);  // 128 * sum q
+      const uint8_t* tile = blk + u * kQ8BlockBytes;
+      const __m512 d = load_half16(tile + kQ8DAt);
+      const __m512i offset = _mm512_slli_epi32(load_int16x16(tile + kQ8SumAt), 7);  // 128 * sum q
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
         const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(da[i * B + b]));
@@ -2936,10 +2941,10 @@ at::Tensor q8_pack_op(const at::Tensor& q, const at::Tensor& d) {
     for (int64_t r = 0; r < kQ4Tile; ++r) {
       const int8_t* codes = qp + ((t * kQ4Tile + r) * B + b) * 32;
       for (int64_t j = 0; j < 8; ++j) std::memcpy(o + 64 * j + 4 * r, codes + 4 * j, 4);
-      store_half_exact(o + 512 + 2 * r, dp[(t * kQ4Tile + r) * B + b]);
+      store_half_exact(o + kQ8DAt + 2 * r, dp[(t * kQ4Tile + r) * B + b]);
       int16_t sum = 0;  // |sum| <= 32 * 128
       for (int64_t k = 0; k < 32; ++k) sum = static_cast<int16_t>(sum + codes[k]);
-      std::memcpy(o + 544 + 2 * r, &sum, 2);
+      std::memcpy(o + kQ8SumAt + 2 * r, &sum, 2);
     }
   });
   return out;
@@ -2953,7 +2958,7 @@ void q8_row(const uint8_t* packed, int64_t N, int64_t K, int64_t r, float* out) 
   for (int64_t b = 0; b < B; ++b) {
     const uint8_t* blk = group + (b * G + (t - t0)) * kQ8BlockBytes;
     uint16_t h;
-    std::memcpy(&h, blk + 512 + 2 * rr, 2);
+    std::memcpy(&h, blk + kQ8DAt + 2 * rr, 2);
     const float d = _cvtsh_ss(h);
     for (int64_t j = 0; j < 8; ++j)
       for (int64_t i = 0; i < 4; ++i) out[32 * b + 4 * j + i] = d * static_cast<float>(static_cast<int8_t>(blk[64 * j + 4 * rr + i]));
@@ -2977,8 +2982,8 @@ at::Tensor q4_pack_op(const at::Tensor& q, const at::Tensor& dm) {
     for (int64_t r = 0; r < kQ4Tile; ++r) {
       const int64_t n = t * kQ4Tile + r;
       for (int64_t j = 0; j < 4; ++j) std::memcpy(o + 64 * j + 4 * r, qp + (n * B + b) * 16 + 4 * j, 4);
-      store_half_exact(o + 256 + 2 * r, dp[(n * B + b) * 2]);
-      store_half_exact(o + 288 + 2 * r, dp[(n * B + b) * 2 + 1]);
+      store_half_exact(o + kQ4DAt + 2 * r, dp[(n * B + b) * 2]);
+      store_half_exact(o + kQ4MAt + 2 * r, dp[(n * B + b) * 2 + 1]);
     }
   });
   return out;
@@ -3754,13 +3759,13 @@ class FastLlamaKernel {
     if (x_in != nullptr) {
       std::memcpy(x, x_in, M * H * sizeof(float));
     } else {
+      const WT* emb = embed_.w.defined() ? wptr<WT>(embed_.w) : nullptr;  // null: blocks only
+      const float* emb_scale = embed_.sc();
       for (int64_t m = 0; m < M; ++m) {
         if (embed_.q8i.defined()) {  // int4, w4a8: the exact row
           q8_row(embed_.q8i.data_ptr<uint8_t>(), embed_.n, H, id[m], x + m * H);
           continue;
         }
-        const WT* emb = wptr<WT>(embed_.w);
-        const float* emb_scale = embed_.sc();
         const float s = emb_scale ? emb_scale[id[m]] : 1.0f;  // x * 1.0f is exact for the float types
         if (embed_.paired) {  // row id is half of pair id / 2, chunk by chunk
           constexpr int64_t C = kPairChunk<WT>;
