@@ -28,19 +28,18 @@ class Verdict:
     num_accepted: torch.Tensor  # [B] int64: accepted draft tokens per row (emitted = num_accepted + 1)
 
 
-def uniforms(
-    generators: Sequence[torch.Generator | None], count: int, dtype: torch.dtype = torch.float64
-) -> torch.Tensor:
-    """``[B, count]`` uniforms in [0, 1), row b drawn from its own generator (a seed reproduces a row).
+def uniforms(generators: Sequence[torch.Generator | None], count: int) -> torch.Tensor:
+    """``[B, count]`` float64 uniforms in [0, 1), row b drawn from its own generator (a seed
+    reproduces a row).
 
-    When no row has a generator, one vectorised draw from the global generator serves all. float64
-    by default: float32 uniforms lie on a grid of 2^-24, which would give each token's sampling
-    probability an error of up to 2^-24 (up to 0.3% of total variation over a 49152-token
-    vocabulary); float64's grid of 2^-53 makes that negligible.
+    When no row has a generator, one vectorised draw from the global generator serves all. float64:
+    float32 uniforms lie on a grid of 2^-24, which would give each token's sampling probability an
+    error of up to 2^-24 (up to 0.3% of total variation over a 49152-token vocabulary); float64's
+    grid of 2^-53 makes that negligible.
     """
     if all(g is None for g in generators):
-        return torch.rand(len(generators), count, dtype=dtype)
-    return torch.stack([torch.rand(count, generator=g, dtype=dtype) for g in generators])
+        return torch.rand(len(generators), count, dtype=torch.float64)
+    return torch.stack([torch.rand(count, generator=g, dtype=torch.float64) for g in generators])
 
 
 def rejection_sample(

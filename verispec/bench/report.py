@@ -6,6 +6,7 @@ from pathlib import Path
 
 from verispec.bench.methods import OURS, SPECULATIVE
 from verispec.bench.runner import ALL, INTERVAL_LEVEL, ratio_interval
+from verispec.models.schedule import EVERY_PROMPT
 
 
 def _fmt(value, spec: str = ".2f", suffix: str = "") -> str:
@@ -389,11 +390,11 @@ def goals_markdown(checks: list[dict]) -> str:
 
 def _kernel_prompts(limit: int | None) -> str:
     """How a format's prompts are split between the kernel and the torch path, for its line: the
-    kernel takes prompts of up to ``limit`` tokens; the kernel-only formats' limit (``1 << 30``)
-    means every prompt."""
+    kernel takes prompts of up to ``limit`` tokens; the kernel-only formats' limit
+    (``EVERY_PROMPT``) means every prompt."""
     if limit is None:
         return ""
-    if limit >= 1 << 30:
+    if limit >= EVERY_PROMPT:
         return ", every prompt on the kernel"
     return f", kernel prompts up to {limit} tokens"
 

@@ -757,7 +757,7 @@ class FastLlama:
         "float32": 96,
         "bfloat16": 96,
         "int8": 96,
-        **dict.fromkeys(KERNEL_ONLY_DTYPES, 1 << 30),
+        **dict.fromkeys(KERNEL_ONLY_DTYPES, schedule.EVERY_PROMPT),
     }
     """Calls up to this many tokens per row (by weight format) still run on the kernel, in pieces of
     ``kernel_prefill_piece``: below it the torch path's fixed costs (widening bfloat16/int8 weights to a
@@ -1117,10 +1117,12 @@ class FastLlama:
             for key in _LAYER_MATRICES:
                 if layer.get(key + "_q4") is not None:
                     unread.append(layer[key] if blocks and self.q4_rows > 0 else layer[key + "_q4"])
-        if w.get("head_q8i") is not None and w["head"] is not None:  # int4, w4a8 read the head's
-            unread.append(w["head"])  # 8-bit blocks, not its int8 rows where it has them too
-        if w.get("embed_q8i") is not None and w["embed"] is not None:  # ... and an untied
-            unread.append(w["embed"])  # embedding's rows from its blocks
+        # int4, w4a8 read the head's 8-bit blocks, not int8 rows beside them (None where there are
+        # none: tensor_bytes counts nothing for it), and an untied embedding's rows from its blocks
+        if w.get("head_q8i") is not None:
+            unread.append(w["head"])
+        if w.get("embed_q8i") is not None:
+            unread.append(w["embed"])
         head_q8 = [w["head_q8"]] if w.get("head_q8") is not None else []
         screen = w.get("head_screen")
         if greedy and screen is not None:  # the screen and a few rows of the head

@@ -105,6 +105,10 @@ PREFILL_LIMITS = (16, 2 * PREFILL_LONG)
 size a prompt is one kernel call anyway, and far past the measured lengths (at most twice the
 longest, :data:`PREFILL_LONG`) a line is a guess."""
 
+EVERY_PROMPT = 1 << 30
+"""A ``kernel_prefill_max`` no prompt reaches: every prompt runs on the kernel (the kernel-only
+formats' limit, and the kernel side of :func:`measure_prefill`)."""
+
 BLOCKS_ENV = "VERISPEC_BLOCK_ROWS"
 BLOCKS_KEY = "blocks-v3|"
 """Prefix of the cached block-row crossings' keys (:func:`apply_blocks`); changed whenever either
@@ -472,7 +476,7 @@ def measure_prefill(
     for as many rows as before, with its own ``kernel_prefill_max``."""
     before, batch = model.kernel_prefill_max, model._batch
     ids = torch.arange(max(sizes)).remainder(model.vocab_size).view(1, -1)  # [1, max(sizes)]
-    limit = {"kernel": 1 << 30, "torch": 0}
+    limit = {"kernel": EVERY_PROMPT, "torch": 0}
     times: dict[str, dict[int, list[float]]] = {path: {t: [] for t in sizes} for path in limit}
     try:
         for r in range(rounds + 1):
