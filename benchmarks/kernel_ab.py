@@ -1,4 +1,4 @@
-"""Greedy step times of two builds of the C++ kernel over one copy of the weights, alternating.
+"""Greedy step times of two builds of the C++ kernel, alternating.
 
 Two models loaded side by side can differ by a fifth or more with the same build on these machines
 (where their weights land in memory), and timings drift within minutes. So this compiles both
@@ -8,7 +8,13 @@ each kernel in turn, round after round (each kernel first in every other round).
 source, min / median ms per width.
 
     flock /tmp/verispec-cpu.lock python benchmarks/kernel_ab.py OLD.cpp NEW.cpp [--dtype float32]
-        [--rounds 8] [--reps 5] [--context 200] [--widths 1 2 3 4 5 6 9]
+        [--rounds 8] [--reps 5] [--context 200] [--widths 1 2 3 4 5 6 9] [--own-weights]
+
+``--own-weights``: for a change to how the weights are packed (``q4_pack``, ``q8_pack``), which one
+copy of the weights cannot serve: the model is loaded once per build, each packed by its own build,
+and each model's weight bytes are printed. The models then differ by where their weights land too;
+alternating keeps only the machine's drift out. (Session 43's ``benchmarks/layout_ab.py`` was this
+mode as a script of its own.)
 
 ``git show HEAD:verispec/csrc/fast_llama.cpp > /tmp/old.cpp`` gives the committed source. Both
 builds take the flags this CPU allows (``fast_llama.kernel_flags``).
@@ -19,30 +25,15 @@ from __future__ import annotations
 import argparse
 import statistics
 from pathlib import Path
+from typing import Any
 
 from verispec.models import fast_llama
 from verispec.models.loading import load_model
 from verispec.models.schedule import time_forwards
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("sources", nargs=2, type=Path)
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--model", default="default")
-    ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--reps", type=int, default=5, help="steps per width, kernel and round")
-    ap.add_argument("--context", type=int, default=200)
-    ap.add_argument("--widths", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 9])
-    args = ap.parse_args()
-
-    flags = fast_llama.kernel_flags()
-    modules = []
-    for src in args.sources:
-        fast_llama._SRC = src.resolve()
-        modules.append(fast_llama.compile_kernel(flags)[0])
-    fast_llama._kernel_module = modules[0]
-    model = load_model(args.model, dtype=args.dtype, max_length=args.context + 2 * max(args.widths))
+def shared_weights(model: Any, modules: list[Any]) -> list[Any]:
+    """One kernel object per build over ``model``'s weight tensors and cache."""
     schedule = tuple(model._kernel.get_schedule())
     kernels = []
     for module in modules:
@@ -54,11 +45,44 @@ def main() -> None:
             kernel.set_schedule(*schedule[:3])
         kernel.set_cache(model.k_cache, model.v_cache)
         kernels.append(kernel)
+    return kernels
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("sources", nargs=2, type=Path)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=5, help="steps per width, kernel and round")
+    ap.add_argument("--context", type=int, default=200)
+    ap.add_argument("--widths", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 9])
+    ap.add_argument("--own-weights", action="store_true", help="one model per build, packed by it")
+    args = ap.parse_args()
+
+    flags = fast_llama.kernel_flags()
+    max_length = args.context + 2 * max(args.widths)
+    modules = []
+    models = []  # one per build with --own-weights; else the one model, below
+    for src in args.sources:
+        fast_llama._SRC = src.resolve()
+        modules.append(fast_llama.compile_kernel(flags)[0])
+        if args.own_weights:
+            fast_llama._kernel_module = modules[-1]
+            models.append(load_model(args.model, dtype=args.dtype, max_length=max_length))
+            print(f"{src}  weights {models[-1].weight_bytes() / 1e6:.1f} MB", flush=True)
+    if args.own_weights:
+        kernels = [m._kernel for m in models]
+    else:
+        fast_llama._kernel_module = modules[0]
+        model = load_model(args.model, dtype=args.dtype, max_length=max_length)
+        kernels = shared_weights(model, modules)
+        models = [model] * len(kernels)
 
     times: list[dict[int, list[float]]] = [{t: [] for t in args.widths} for _ in kernels]
-    pairs = list(zip(kernels, times))
+    runs = list(zip(models, kernels, times))
     for r in range(args.rounds):
-        for kernel, got in pairs if r % 2 == 0 else reversed(pairs):  # each goes first half the time
+        for model, kernel, got in runs if r % 2 == 0 else reversed(runs):  # each goes first half the time
             model._kernel = kernel
             for t, secs in time_forwards(model, args.widths, args.context, args.reps, "greedy").items():
                 got[t] += secs

@@ -2018,10 +2018,10 @@ constexpr int kQ4Group = 4;                             // tiles per thread work
 // fewer); per tile and block, 256 bytes of codes then d[16] and m[16] as float16, as GGUF stores
 // them (widened exactly when read): 320 bytes, 5 bits a weight. With float32 scales (384 bytes,
 // sessions 41-42) a greedy step read 17% more, and cost more (SmolLM2-135M at 200 cached tokens,
-// one model per build alternating, benchmarks/layout_ab.py, min ms, float32 / float16 scales:
-// w4a8 1 token 3.96 / 3.39, 5 tokens 5.00 / 4.51; int4 3.85 / 3.23, 5.64 / 5.35; the head's
-// `q8_pack` blocks went from 640 to 576 bytes the same way). Every output is bitwise the same. A
-// group holds its tiles' first blocks, then their second, and so on, so that a pass over it reads
+// one model per build alternating, benchmarks/kernel_ab.py --own-weights, min ms, float32 /
+// float16 scales: w4a8 1 token 3.96 / 3.39, 5 tokens 5.00 / 4.51; int4 3.85 / 3.23, 5.64 / 5.35;
+// the head's `q8_pack` blocks went from 640 to 576 bytes the same way). Every output is bitwise the
+// same. A group holds its tiles' first blocks, then their second, and so on, so that a pass over it reads
 // one stream from memory. Codes vector j (0..3) holds, per row r, the 4 bytes GGUF packs for the
 // block's columns 4j .. 4j + 3 (low nibbles) and 16 + 4j .. 16 + 4j + 3 (high nibbles), so one `and`
 // gives the 16 rows' 4 codes of one column quad in each 32-bit lane, and a shift and an `and` the
