@@ -1,4 +1,4 @@
-"""Greedy step times of two builds of the C++ kernel, alternating.
+"""Greedy step times of two (or more) builds of the C++ kernel, alternating.
 
 Two models loaded side by side can differ by a fifth or more with the same build on these machines
 (where their weights land in memory), and timings drift within minutes. So this compiles both
@@ -7,8 +7,8 @@ object per source over the same weight tensors and cache, and times greedy steps
 each kernel in turn, round after round (each kernel first in every other round). It prints, per
 source, min / median ms per width.
 
-    flock /tmp/verispec-cpu.lock python benchmarks/kernel_ab.py OLD.cpp NEW.cpp [--dtype float32]
-        [--rounds 8] [--reps 5] [--context 200] [--widths 1 2 3 4 5 6 9] [--own-weights]
+    flock /tmp/verispec-cpu.lock python benchmarks/kernel_ab.py OLD.cpp NEW.cpp [MORE.cpp ...]
+        [--dtype float32] [--rounds 8] [--reps 5] [--context 200] [--widths 1 2 3 4 5 6 9] [--own-weights]
 
 ``--own-weights``: for a change to how the weights are packed (``q4_pack``, ``q8_pack``), which one
 copy of the weights cannot serve: the model is loaded once per build, each packed by its own build,
@@ -50,7 +50,7 @@ def shared_weights(model: Any, modules: list[Any]) -> list[Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("sources", nargs=2, type=Path)
+    ap.add_argument("sources", nargs="+", type=Path, help="two or more kernel sources")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--model", default="default")
     ap.add_argument("--rounds", type=int, default=8)
@@ -59,6 +59,8 @@ def main() -> None:
     ap.add_argument("--widths", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 9])
     ap.add_argument("--own-weights", action="store_true", help="one model per build, packed by it")
     args = ap.parse_args()
+    if len(args.sources) < 2:
+        ap.error("give at least two sources")
 
     flags = fast_llama.kernel_flags()
     max_length = args.context + 2 * max(args.widths)

@@ -2,7 +2,9 @@
 
 Random logits (standard normal times ``--scale``) over the default model's vocabulary, temperature
 0.7, with neither filter, top-k 50, top-p 0.9, and both; T = 1 (a plain sampled step) and T = 5 (a
-verification of 4 drafts). Prints the mean ms of ``--calls`` calls after 5 uncounted ones.
+verification of 4 drafts). Prints the mean ms of ``--calls`` calls after 5 uncounted ones, for the
+transform in torch operations and, where the C++ kernel builds, for its one-pass ``sampling_probs``
+(which ``logits_to_probs`` takes for float32 logits once the kernel is loaded).
 
     flock /tmp/verispec-cpu.lock python benchmarks/sampling_cost.py [--vocab 49152] [--calls 50]
 """
@@ -14,6 +16,8 @@ import time
 
 import torch
 
+from verispec import sampling
+from verispec.models import fast_llama
 from verispec.sampling import SamplingTensors, logits_to_probs
 
 
@@ -24,6 +28,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=50)
     args = ap.parse_args()
     settings = {"temperature": (0, 1.0), "top-k 50": (50, 1.0), "top-p 0.9": (0, 0.9), "both": (50, 0.9)}
+    kernel = fast_llama._load_kernel()
+    paths = {"torch": lambda logits: None, "kernel": sampling.sampling_kernel} if kernel else {"torch": None}
     gen = torch.Generator().manual_seed(0)
     for t in (1, 5):
         logits = torch.randn(1, t, args.vocab, generator=gen) * args.scale  # [1, T, V]
@@ -33,13 +39,17 @@ def main() -> None:
                 torch.tensor([top_k]),
                 torch.tensor([top_p], dtype=torch.float64),
             )
-            for _ in range(5):
-                logits_to_probs(logits, params)
-            start = time.perf_counter()
-            for _ in range(args.calls):
-                logits_to_probs(logits, params)
-            ms = (time.perf_counter() - start) / args.calls * 1e3
-            print(f"T={t} {name}: {ms:.3f} ms", flush=True)
+            cells = []
+            for path, chooser in paths.items():
+                if chooser is not None:
+                    sampling.sampling_kernel = chooser
+                for _ in range(5):
+                    logits_to_probs(logits, params)
+                start = time.perf_counter()
+                for _ in range(args.calls):
+                    logits_to_probs(logits, params)
+                cells.append(f"{path} {(time.perf_counter() - start) / args.calls * 1e3:.3f}")
+            print(f"T={t} {name}: " + ", ".join(cells) + " ms", flush=True)
 
 
 if __name__ == "__main__":

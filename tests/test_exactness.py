@@ -16,6 +16,10 @@ import torch
 
 import verispec
 import verispec.engine
+import verispec.rejection
+import verispec.sampling
+from verispec.models import fast_llama
+from verispec.models.fast_llama import kernel_available
 from verispec.proposers import Proposal, expected_acceptance
 from verispec.rejection import Verdict, inverse_cdf, uniforms
 from verispec.sampling import logits_to_probs
@@ -72,11 +76,11 @@ TARGET = np.array(
 DRAFT = np.array([[-1.0, 1.5, 0.5, 0.0], [1.2, -0.4, 0.6, 0.1], [0.0, 0.9, -0.5, 1.0], [1.3, 0.2, 0.2, -0.8]])
 
 
-def first_tokens(draft, temperature=1.0, top_k=None, top_p=None, k=2, seed=0):
-    """N sequences of STEPS tokens after the prompt [0] through the engine with ``draft``:
-    ``(counts of each continuation, draft tokens verified in all)``."""
+def first_tokens(draft, temperature=1.0, top_k=None, top_p=None, k=2, seed=0, dtype=np.float64):
+    """N sequences of STEPS tokens after the prompt [0] through the engine with ``draft``, the target
+    giving ``dtype`` logits: ``(counts of each continuation, draft tokens verified in all)``."""
     results = verispec.speculative_generate(
-        Bigram(TARGET),
+        Bigram(TARGET.astype(dtype)),
         draft,
         torch.zeros(N, 1, dtype=torch.int64),
         max_new_tokens=STEPS,
@@ -94,8 +98,10 @@ def first_tokens(draft, temperature=1.0, top_k=None, top_p=None, k=2, seed=0):
     return counts, sum(r.stats.draft_tokens for r in results)
 
 
-def empirical_law(temperature, top_k, top_p, k=2, seed=0):
-    return first_tokens(Bigram(DRAFT), temperature, top_k, top_p, k=k, seed=seed)[0]
+def empirical_law(temperature, top_k, top_p, k=2, seed=0, dtype=np.float64):
+    return first_tokens(Bigram(DRAFT.astype(dtype)), temperature, top_k, top_p, k=k, seed=seed, dtype=dtype)[
+        0
+    ]
 
 
 def max_z(counts, law) -> float:
@@ -124,6 +130,36 @@ SETTINGS = [
 def test_first_three_tokens_follow_target_law(temperature, top_k, top_p):
     law = exact_law(TARGET, 0, temperature=temperature, top_k=top_k, top_p=top_p)
     counts = empirical_law(temperature, top_k, top_p)
+    assert max_z(counts, law) < SIGMAS
+
+
+class Counting:
+    """The kernel module with a count of calls to each of its functions."""
+
+    def __init__(self, module):
+        self.module = module
+        self.calls: dict[str, int] = {}
+
+    def __getattr__(self, name):
+        def call(*args, **kwargs):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return getattr(self.module, name)(*args, **kwargs)
+
+        return call
+
+
+@pytest.mark.skipif(not kernel_available(), reason="C++ kernel could not be built here")
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), SETTINGS[2:])  # the filters: 6 s each
+def test_kernel_transform_and_draws_follow_target_law(monkeypatch, temperature, top_k, top_p):
+    """Float32 logits with the kernel loaded: both models' transforms and every draw are the
+    kernel's one-pass ones (``sampling_probs``, ``draw_rows``), and the law still holds."""
+    kernel = Counting(fast_llama._load_kernel())
+    chooser = lambda values: kernel if values.dtype == torch.float32 else None  # noqa: E731
+    monkeypatch.setattr(verispec.sampling, "sampling_kernel", chooser)
+    monkeypatch.setattr(verispec.rejection, "sampling_kernel", chooser)
+    law = exact_law(TARGET, 0, temperature=temperature, top_k=top_k, top_p=top_p)
+    counts = empirical_law(temperature, top_k, top_p, dtype=np.float32)
+    assert kernel.calls.get("sampling_probs", 0) >= 2 * STEPS and kernel.calls.get("draw_rows", 0) >= STEPS
     assert max_z(counts, law) < SIGMAS
 
 

@@ -1,5 +1,6 @@
-"""The top-p mask of the shared sampling transform (``verispec.sampling._top_p_mask``), and the
-precision of the draws (``verispec.rejection.inverse_cdf``, ``uniforms``).
+"""The top-p mask of the shared sampling transform (``verispec.sampling._top_p_mask``), the
+precision of the draws (``verispec.rejection.inverse_cdf``, ``uniforms``), and the C++ kernel's
+one-pass transform and draws that replace both for float32 tensors.
 
 The mask ranks only the most probable tokens (``torch.topk``, widening until each row's prefix
 ends inside the ranked window) instead of sorting the vocabulary. These tests hold it to the
@@ -12,8 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from verispec.models import fast_llama
+from verispec.models.fast_llama import kernel_available
 from verispec.rejection import inverse_cdf, uniforms
-from verispec.sampling import _top_p_mask
+from verispec.sampling import SamplingTensors, _top_p_mask, logits_to_probs, sampling_kernel
 
 V = 49152  # the default model's vocabulary
 
@@ -68,3 +71,114 @@ def test_draws_resolve_tokens_far_below_float32s_grid() -> None:
     assert int(inverse_cdf(probs, torch.tensor([0.4], dtype=torch.float64))[0]) == 0
     assert int(inverse_cdf(probs, torch.tensor([0.6], dtype=torch.float64))[0]) == 2
     assert uniforms([None, torch.Generator().manual_seed(0)], 3).dtype == torch.float64
+
+
+# The C++ kernel's one-pass transform and draws (``sampling_probs``, ``draw_rows``), which
+# ``logits_to_probs`` and ``inverse_cdf`` take for float32 tensors once a fast model has loaded the
+# kernel. They are held to the same float64 definition as the torch path.
+
+requires_kernel = pytest.mark.skipif(not kernel_available(), reason="C++ kernel could not be built here")
+
+
+def _transform_reference(
+    logits: torch.Tensor, t: float, k: int, p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(probs, margin)`` of ``logits [R, V]`` in float64: the float32 division by the temperature
+    (as both paths divide), top-k (ties at the k-th value stay), top-p over a stable sort (equal
+    probabilities by index), softmax; per token, how far the mass ranked before it lies from top_p."""
+    scaled = (logits / torch.tensor(t, dtype=torch.float32)).double()
+    if 0 < k < scaled.shape[-1]:
+        kth = torch.topk(scaled, k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, -torch.inf)
+    margin = torch.ones_like(scaled)
+    if p < 1:
+        keep, margin = _reference(scaled, p)
+        scaled = scaled.masked_fill(~keep, -torch.inf)
+    return torch.softmax(scaled, dim=-1), margin
+
+
+@requires_kernel
+@pytest.mark.parametrize(
+    ("scale", "temperature", "top_k", "top_p", "ties"),
+    [
+        (3.0, 0.7, 0, 1.0, False),
+        (3.0, 0.7, 50, 1.0, False),
+        (3.0, 0.7, 0, 0.9, False),  # a nucleus of thousands
+        (3.0, 0.7, 50, 0.9, False),
+        (8.0, 1.0, 0, 0.5, False),  # a few tokens
+        (0.05, 1.0, 0, 0.95, False),  # most of the vocabulary
+        (2.0, 0.05, 0, 1.0, False),  # most probabilities below float32's range
+        (2.0, 1.0, 40, 0.8, True),  # equal logits at the top-k and top-p cuts
+        (0.0, 1.0, 0, 0.505, True),  # all equal: the first half by index
+        (3.0, 1.0, 0, 1e-9, False),  # only the most probable
+    ],
+)
+def test_kernel_transform_keeps_the_definition(scale, temperature, top_k, top_p, ties) -> None:
+    """The same tokens as the float64 definition (but within rounding of the top-p cut), their
+    probabilities within 1e-6 in total variation, 0 everywhere else."""
+    kernel = fast_llama._load_kernel()
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(int(scale * 10) + top_k)) * scale
+    if ties:
+        logits = logits.round()
+    rows = logits.shape[0]
+    got = kernel.sampling_probs(
+        logits,
+        torch.full((rows,), temperature, dtype=torch.float64),
+        torch.full((rows,), top_k),
+        torch.full((rows,), top_p, dtype=torch.float64),
+    ).double()
+    want, margin = _transform_reference(logits, temperature, top_k, top_p)
+    clear = margin > 1e-6
+    assert not bool(((got > 0) & (want == 0))[clear].any())  # nothing dropped comes back
+    assert not bool(((got == 0) & (want > 1e-37))[clear].any())  # nothing kept is lost (but below 2^-126)
+    if bool(clear.all()):
+        assert float((got - want).abs().sum(dim=-1).max()) < 2e-6
+    assert torch.allclose(got.sum(dim=-1), torch.ones(rows, dtype=torch.float64), atol=1e-5)
+
+
+@requires_kernel
+def test_kernel_draws_match_the_torch_draws() -> None:
+    """``draw_rows`` draws the token the float64 cdf gives for the same uniform, never one of
+    probability 0, and the last possible token for a uniform just below 1."""
+    kernel = fast_llama._load_kernel()
+    gen = torch.Generator().manual_seed(5)
+    probs = torch.softmax(torch.randn(64, 1001, generator=gen) * 4, dim=-1)
+    probs[probs < 1e-4] = 0.0  # holes to skip, some at the ends of blocks of 8
+    probs[:, -3:] = 0.0
+    u = torch.rand(64, dtype=torch.float64, generator=gen)
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    want = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    got = kernel.draw_rows(probs, u)
+    assert int((got != want).sum()) <= 1  # the block sums may round a hair differently
+    assert bool((probs.gather(1, got[:, None]) > 0).all())
+    top = kernel.draw_rows(probs, torch.full((64,), 1 - 2**-53, dtype=torch.float64))
+    last = torch.stack([row.nonzero().max() for row in probs])
+    assert torch.equal(top, last)
+    assert torch.equal(
+        kernel.draw_rows(probs, torch.zeros(64, dtype=torch.float64)), (probs > 0).int().argmax(1)
+    )
+
+
+@requires_kernel
+def test_logits_to_probs_takes_the_kernel_for_float32() -> None:
+    """With the kernel loaded, float32 logits go through ``sampling_probs`` (greedy rows still one-hot
+    on the argmax), float64 ones through torch; both give the same distribution."""
+    kernel = fast_llama._load_kernel()
+    logits = torch.randn(2, 3, V, generator=torch.Generator().manual_seed(9)) * 3  # [B, T, V]
+    params = SamplingTensors.of(
+        torch.tensor([0.8, 0.0], dtype=torch.float64),
+        torch.tensor([0, 0]),
+        torch.tensor([0.9, 1.0], dtype=torch.float64),
+    )
+    assert sampling_kernel(logits) is kernel and sampling_kernel(logits.double()) is None
+    got = logits_to_probs(logits, params)
+    direct = kernel.sampling_probs(
+        logits[0].contiguous(),
+        torch.full((3,), 0.8, dtype=torch.float64),
+        torch.zeros(3, dtype=torch.int64),
+        torch.full((3,), 0.9, dtype=torch.float64),
+    )
+    assert torch.equal(got[0], direct)
+    assert torch.equal(got[1], torch.nn.functional.one_hot(logits[1].argmax(-1), V).float())
+    torch_path = logits_to_probs(logits.double(), params)
+    assert float((torch_path[0] - got[0].double()).abs().sum(-1).max()) < 1e-5

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from verispec.sampling import sampling_kernel
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -118,6 +120,9 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     The cdf is summed in float64: in float32, a token after most of the mass could lose up to
     half an ulp of the running sum (2^-25), and one below that vanish.
     """
+    kernel = sampling_kernel(probs)
+    if kernel is not None:
+        return kernel.draw_rows(probs.contiguous(), u.double().contiguous())
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)
     target = (u.double() * cdf[:, -1])[:, None]
     idx = torch.searchsorted(cdf, target, right=True)[:, 0]

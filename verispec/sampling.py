@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -88,6 +89,42 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingTensors) -> torch.Tens
         probs = _one_hot_argmax(logits)
         return probs[:, 0] if squeeze else probs
 
+    kernel = sampling_kernel(logits)
+    if kernel is not None:
+        rows = logits.shape[1]
+        probs = kernel.sampling_probs(
+            logits.reshape(batch * rows, -1).contiguous(),
+            params.temperature.repeat_interleave(rows),
+            params.top_k.repeat_interleave(rows),
+            params.top_p.repeat_interleave(rows),
+        ).view(logits.shape)
+    else:
+        probs = _probs_torch(logits, params)
+    if params.any_greedy:
+        greedy = (params.temperature == 0).to(logits.device).view(batch, 1, 1)
+        probs = torch.where(greedy, _one_hot_argmax(logits), probs)
+    return probs[:, 0] if squeeze else probs
+
+
+def sampling_kernel(values: torch.Tensor) -> Any:
+    """The compiled kernel module, when this process has loaded it (a fast model did) and
+    ``values`` are float32 on the CPU; else None. Never compiles it. Its ``sampling_probs`` is
+    :func:`logits_to_probs`'s transform in one pass per row, its ``draw_rows``
+    :func:`verispec.rejection.inverse_cdf`'s draw (``benchmarks/sampling_cost.py``, V = 49152,
+    random logits: top-p 0.9 over one row 0.25 -> 0.13 ms, over five 1.5 -> 0.35)."""
+    if values.dtype != torch.float32 or values.device.type != "cpu":
+        return None
+    # Imported here: fast_llama imports verispec.rejection, which imports this module.
+    from verispec.models.fast_llama import loaded_kernel
+
+    return loaded_kernel()
+
+
+def _probs_torch(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """:func:`logits_to_probs`'s transform in torch operations: ``[B, T, V]`` logits (float32 or
+    float64) -> probabilities of the same shape and dtype (greedy rows not yet one-hot)."""
+    dtype = logits.dtype
+    batch = logits.shape[0]
     temp = params.temperature.to(dtype=dtype, device=logits.device).clamp_min(1e-6).view(batch, 1, 1)
     scaled = logits / temp
     if params.any_top_k:
@@ -102,11 +139,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingTensors) -> torch.Tens
         scaled = scaled.masked_fill(scaled < threshold, -torch.inf)
     if params.any_top_p:
         scaled = _top_p_mask(scaled, params.top_p.to(dtype=dtype, device=logits.device).view(batch, 1, 1))
-    probs = torch.softmax(scaled, dim=-1)
-    if params.any_greedy:
-        greedy = (params.temperature == 0).to(logits.device).view(batch, 1, 1)
-        probs = torch.where(greedy, _one_hot_argmax(logits), probs)
-    return probs[:, 0] if squeeze else probs
+    return torch.softmax(scaled, dim=-1)
 
 
 def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <optional>
 #include <type_traits>
@@ -3109,6 +3110,264 @@ at::Tensor rows_from_pairs_op(const at::Tensor& w, bool to_bf16, const std::opti
   return out;
 }
 
+// The sum of e[j] >= floor over e[0 .. V), in double, 8 lanes then in a fixed order.
+inline double mass_from(const float* e, int64_t V, float floor) {
+  const __m256 vf = _mm256_set1_ps(floor);
+  __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
+  int64_t j = 0;
+  for (; j + 8 <= V; j += 8) {
+    const __m256 v = _mm256_loadu_ps(e + j);
+    const __m256 m = _mm256_and_ps(v, _mm256_cmp_ps(v, vf, _CMP_GE_OQ));
+    s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(m)));
+    s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(m, 1)));
+  }
+  alignas(32) double d[4];
+  _mm256_store_pd(d, _mm256_add_pd(s0, s1));
+  double sum = (d[0] + d[1]) + (d[2] + d[3]);
+  for (; j < V; ++j)
+    if (e[j] >= floor) sum += e[j];
+  return sum;
+}
+
+// The last token top-p keeps, for e [V] (exp(s - max) of the tokens top-k kept, 0 for the others;
+// the most probable is 1): ranked by e (equal ones by index), a token stays while the mass ranked
+// before it is below `target` (top_p times the sum of e). Returns its (e, index): a token stays
+// iff its e is above that e, or equal with an index not above that index. Tokens are binned by
+// their float's exponent and top 4 mantissa bits (16 bins an octave, `hist`), bins above the one
+// where the mass crosses the target stay whole, and only that bin's tokens are sorted. Only
+// tokens within a factor `floor` of the most probable are binned, the widest floor whose mass
+// reaches the target (a pass each): real distributions' nuclei end within 2^-8.
+std::pair<float, int64_t> nucleus_cut(const float* e, int64_t V, double target, std::vector<double>& hist) {
+  constexpr int kBins = 1 << 12;  // bits >> 19 of a float in (0, 1]: at most 0x3F800000 >> 19
+  float floor = 0x1p-8f;
+  for (const float f : {0x1p-8f, 0x1p-16f, 0x1p-32f, std::numeric_limits<float>::denorm_min()}) {
+    floor = f;
+    if (mass_from(e, V, f) >= target) break;
+  }
+  auto bin = [](float v) {
+    uint32_t u;
+    std::memcpy(&u, &v, sizeof u);
+    return static_cast<int>(u >> 19);
+  };
+  auto each = [&](const auto& f) {  // f(j) for each e[j] >= floor
+    const __m256 vf = _mm256_set1_ps(floor);
+    int64_t j = 0;
+    for (; j + 8 <= V; j += 8)
+      for (int m = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(e + j), vf, _CMP_GE_OQ)); m != 0; m &= m - 1)
+        f(j + __builtin_ctz(m));
+    for (; j < V; ++j)
+      if (e[j] >= floor) f(j);
+  };
+  hist.assign(kBins, 0.0);
+  each([&](int64_t j) { hist[bin(e[j])] += e[j]; });
+  // Whole bins from the top while their mass stays below the target, then token by token in
+  // order (a bin sorted at a time) until the mass before the next reaches it.
+  double before = 0.0;
+  float cut_e = 2.0f;  // above every e until a token is taken one by one
+  int64_t cut_j = 0;
+  bool one_by_one = false;
+  std::vector<std::pair<float, int64_t>> ranked;
+  for (int b = kBins - 1; b >= 0 && before < target; --b) {
+    if (hist[b] == 0.0) continue;
+    if (!one_by_one && before + hist[b] < target) {
+      before += hist[b];
+      continue;
+    }
+    one_by_one = true;
+    ranked.clear();
+    each([&](int64_t j) {
+      if (bin(e[j]) == b) ranked.emplace_back(e[j], j);
+    });
+    std::sort(ranked.begin(), ranked.end(), [](const auto& x, const auto& y) {
+      return x.first > y.first || (x.first == y.first && x.second < y.second);
+    });
+    for (const auto& [v, j] : ranked) {
+      if (before >= target) break;
+      cut_e = v;
+      cut_j = j;
+      before += v;
+    }
+  }
+  if (!one_by_one)  // every bin stayed whole (the target within rounding of their mass): all of them
+    each([&](int64_t j) {
+      if (e[j] < cut_e || (e[j] == cut_e && j > cut_j)) {
+        cut_e = e[j];
+        cut_j = j;
+      }
+    });
+  return {cut_e, cut_j};
+}
+
+// `verispec.rejection.inverse_cdf` for float32 rows: token r is the first j whose running sum of
+// probs[r, 0 .. j] (in double) exceeds u[r] times the row's sum, so a token of probability 0 is
+// never drawn. The sums run over blocks of 8 tokens (each block summed in a fixed order, the blocks
+// in order), then token by token inside the block where the running sum passes the target,
+// instead of a float64 cumsum of the whole row and a search (V = 49152: 0.09 -> 0.02 ms a row).
+at::Tensor draw_rows_op(const at::Tensor& probs, const at::Tensor& u) {
+  TORCH_CHECK(probs.dim() == 2 && probs.is_contiguous() && probs.scalar_type() == at::kFloat,
+              "probs must be contiguous float32 [R, V]");
+  const int64_t R = probs.size(0), V = probs.size(1);
+  TORCH_CHECK(V > 0, "probs must have a token");
+  TORCH_CHECK(u.scalar_type() == at::kDouble && u.is_contiguous() && u.numel() == R,
+              "u must be contiguous float64 [R]");
+  auto out = at::empty({R}, probs.options().dtype(at::kLong));
+  const float* p = probs.data_ptr<float>();
+  const double* uu = u.data_ptr<double>();
+  int64_t* o = out.data_ptr<int64_t>();
+  const int64_t blocks = (V + 7) / 8;
+  std::vector<double> sums(blocks);
+  for (int64_t r = 0; r < R; ++r) {
+    const float* row = p + r * V;
+    double total = 0.0;
+    for (int64_t b = 0; b < blocks; ++b) {
+      double s = 0.0;
+      if (8 * b + 8 <= V) {
+        const __m256 v = _mm256_loadu_ps(row + 8 * b);
+        const __m256d h = _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(v)),
+                                        _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+        alignas(32) double d[4];
+        _mm256_store_pd(d, h);
+        s = (d[0] + d[1]) + (d[2] + d[3]);
+      } else {
+        for (int64_t j = 8 * b; j < V; ++j) s += row[j];
+      }
+      sums[b] = s;
+      total += s;
+    }
+    const double target = uu[r] * total;
+    double run = 0.0;
+    int64_t pick = -1;
+    for (int64_t b = 0; b < blocks && pick < 0; ++b) {
+      if (run + sums[b] <= target && b + 1 < blocks) {
+        run += sums[b];
+        continue;
+      }
+      for (int64_t j = 8 * b; j < std::min(V, 8 * b + 8); ++j) {  // the block's tokens one by one
+        run += row[j];
+        if (run > target && row[j] > 0.0f) {
+          pick = j;
+          break;
+        }
+      }
+    }
+    if (pick < 0)  // none passed the target (rounding): the last token that can be drawn
+      for (pick = V - 1; pick > 0 && !(row[pick] > 0.0f); --pick) {
+      }
+    o[r] = pick;
+  }
+  return out;
+}
+
+// `verispec.sampling.logits_to_probs` for float32 rows, in one pass over each row instead of the
+// dozen full-vocabulary tensor operations torch takes (temperature, top-k, a softmax to rank by,
+// top-k again for the ranking, the mask, a second softmax): those took 0.26 ms for one row with
+// top-p and 1.7 ms for five (`benchmarks/sampling_cost.py`, V = 49152), as much as a third of a
+// verification step. Row r of logits [R, V]: s = logits / temperature (float32, as torch divides);
+// with 0 < top_k < V, tokens whose s is below the top_k-th largest are dropped; with top_p < 1,
+// the kept tokens ranked by probability (equal ones by index) stay while the mass ranked before
+// them is below top_p (so the first always stays); out [R, V] is the softmax over what stays, 0
+// elsewhere. Each row depends only on its own logits and settings.
+void sampling_row(const float* logits, int64_t V, double temperature, int64_t top_k, double top_p, float* out,
+                  std::vector<float>& heap, std::vector<double>& hist) {
+  const float t = std::max(static_cast<float>(temperature), 1e-6f);
+  const __m256 vt = _mm256_set1_ps(t);
+  const int64_t V8 = V - V % 8;
+  __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < V8; j += 8) {
+    const __m256 v = _mm256_div_ps(_mm256_loadu_ps(logits + j), vt);
+    _mm256_storeu_ps(out + j, v);
+    vmax = _mm256_max_ps(vmax, v);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  float mx = lanes[0];
+  for (int i = 1; i < 8; ++i) mx = std::max(mx, lanes[i]);
+  for (int64_t j = V8; j < V; ++j) {
+    out[j] = logits[j] / t;
+    mx = std::max(mx, out[j]);
+  }
+  float lo = -std::numeric_limits<float>::infinity();  // tokens below lo are dropped
+  if (top_k > 0 && top_k < V) {  // lo = the top_k-th largest s, by a min-heap of the top_k largest
+    const auto greater = std::greater<float>();
+    heap.assign(out, out + top_k);
+    std::make_heap(heap.begin(), heap.end(), greater);
+    auto offer = [&](float v) {
+      if (v > heap.front()) {
+        std::pop_heap(heap.begin(), heap.end(), greater);
+        heap.back() = v;
+        std::push_heap(heap.begin(), heap.end(), greater);
+      }
+    };
+    int64_t j = top_k;
+    for (; j % 8 != 0 && j < V; ++j) offer(out[j]);
+    for (; j + 8 <= V; j += 8) {  // most blocks hold nothing above the heap's least
+      int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(out + j), _mm256_set1_ps(heap.front()), _CMP_GT_OQ));
+      for (; mask != 0; mask &= mask - 1) offer(out[j + __builtin_ctz(mask)]);
+    }
+    for (; j < V; ++j) offer(out[j]);
+    lo = heap.front();
+  }
+  // exp(s - max) where s >= lo, else 0; their sum in double, lane by lane in a fixed order. Below
+  // exp8's least input (-87.34: 2^-126) a probability is too small to draw and stays 0 too.
+  const __m256 vm = _mm256_set1_ps(mx), vlo = _mm256_set1_ps(std::max(lo, mx - 87.33654f));
+  __m256d sum0 = _mm256_setzero_pd(), sum1 = _mm256_setzero_pd();
+  for (int64_t j = 0; j < V8; j += 8) {
+    const __m256 v = _mm256_loadu_ps(out + j);
+    const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(v, vm)), _mm256_cmp_ps(v, vlo, _CMP_GE_OQ));
+    _mm256_storeu_ps(out + j, e);
+    sum0 = _mm256_add_pd(sum0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+    sum1 = _mm256_add_pd(sum1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+  }
+  alignas(32) double dl[4];
+  _mm256_store_pd(dl, _mm256_add_pd(sum0, sum1));
+  double z = (dl[0] + dl[1]) + (dl[2] + dl[3]);
+  for (int64_t j = V8; j < V; ++j) {
+    alignas(32) float one[8] = {out[j] - mx, 0, 0, 0, 0, 0, 0, 0};
+    _mm256_store_ps(one, exp8(_mm256_load_ps(one)));
+    out[j] = out[j] >= std::max(lo, mx - 87.33654f) ? one[0] : 0.0f;  // out[j] still holds s here
+    z += out[j];
+  }
+  if (top_p < 1.0) {
+    const auto [cut_e, cut_j] = nucleus_cut(out, V, top_p * z, hist);
+    z = 0.0;
+    for (int64_t j = 0; j < V; ++j) {
+      if (out[j] < cut_e || (out[j] == cut_e && j > cut_j)) out[j] = 0.0f;
+      z += out[j];
+    }
+  }
+  const __m256 inv = _mm256_set1_ps(static_cast<float>(1.0 / z));
+  for (int64_t j = 0; j < V8; j += 8) _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_loadu_ps(out + j), inv));
+  for (int64_t j = V8; j < V; ++j) out[j] *= static_cast<float>(1.0 / z);
+}
+
+// sampling_row for each row of logits [R, V] (float32), with temperature [R] (float64), top_k [R]
+// (int64, 0: off) and top_p [R] (float64, 1: off): the probabilities [R, V], float32.
+at::Tensor sampling_probs_op(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
+                             const at::Tensor& top_p) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat,
+              "logits must be contiguous float32 [R, V]");
+  const int64_t R = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V > 0 && V < (int64_t{1} << 31), "the vocabulary must hold 1 .. 2^31 - 1 tokens");
+  TORCH_CHECK(temperature.scalar_type() == at::kDouble && temperature.is_contiguous() && temperature.numel() == R,
+              "temperature must be contiguous float64 [R]");
+  TORCH_CHECK(top_k.scalar_type() == at::kLong && top_k.is_contiguous() && top_k.numel() == R,
+              "top_k must be contiguous int64 [R]");
+  TORCH_CHECK(top_p.scalar_type() == at::kDouble && top_p.is_contiguous() && top_p.numel() == R,
+              "top_p must be contiguous float64 [R]");
+  auto out = at::empty({R, V}, logits.options());
+  const float* x = logits.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const double* t = temperature.data_ptr<double>();
+  const int64_t* k = top_k.data_ptr<int64_t>();
+  const double* p = top_p.data_ptr<double>();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> heap;
+    std::vector<double> hist;
+    for (int64_t r = r0; r < r1; ++r) sampling_row(x + r * V, V, t[r], k[r], p[r], o + r * V, heap, hist);
+  });
+  return out;
+}
+
 }  // namespace
 
 // Holds references to the weights and caches owned by the Python FastLlama and runs its forward.
@@ -4200,6 +4459,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rope_rows", &rope_rows_op, pybind11::arg("qkv"), pybind11::arg("cos"), pybind11::arg("sin"),
         pybind11::arg("pos"), pybind11::arg("heads"), pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("sampling_probs", &sampling_probs_op, pybind11::arg("logits"), pybind11::arg("temperature"),
+        pybind11::arg("top_k"), pybind11::arg("top_p"), pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("draw_rows", &draw_rows_op, pybind11::arg("probs"), pybind11::arg("u"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rows_from_pairs", &rows_from_pairs_op, pybind11::arg("w"), pybind11::arg("to_bf16") = false,
         pybind11::arg("into") = std::nullopt, pybind11::arg("stream") = false,
         pybind11::call_guard<pybind11::gil_scoped_release>());

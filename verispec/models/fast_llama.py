@@ -157,6 +157,12 @@ def _load_kernel_once() -> Any:
 _kernel_lock = threading.Lock()
 
 
+def loaded_kernel() -> Any:
+    """The kernel module if this process has already built and imported it, else None (never
+    builds it: the sampling transform uses it only where a fast model already did)."""
+    return _kernel_module
+
+
 def compile_kernel_meanwhile(architecture: str | None) -> threading.Thread | None:
     """Start loading the kernel (compiling it on first use) on another thread for a model of
     ``architecture`` (GGUF's ``general.architecture``), and return the thread; None where the
