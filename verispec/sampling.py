@@ -92,12 +92,11 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingTensors) -> torch.Tens
     kernel = sampling_kernel(logits)
     if kernel is not None:
         rows = logits.shape[1]
-        probs = kernel.sampling_probs(
-            logits.reshape(batch * rows, -1).contiguous(),
-            params.temperature.repeat_interleave(rows),
-            params.top_k.repeat_interleave(rows),
-            params.top_p.repeat_interleave(rows),
-        ).view(logits.shape)
+        per_row = (params.temperature, params.top_k, params.top_p)  # [B] each, then [B * T]
+        if rows > 1:
+            per_row = tuple(t.repeat_interleave(rows) for t in per_row)
+        flat = logits.reshape(batch * rows, -1).contiguous()  # [B * T, V]
+        probs = kernel.sampling_probs(flat, *per_row).view(logits.shape)
     else:
         probs = _probs_torch(logits, params)
     if params.any_greedy:
