@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from verispec.config import GenerationConfig, SamplingConfig
-from verispec.costs import PRIOR_EXTRA_TOKEN_COST, StepCosts, best_draft_length, context_bucket, costs_for
+from verispec.costs import (
+    PRIOR_EXTRA_TOKEN_COST,
+    StepCosts,
+    best_draft_length,
+    context_bucket,
+    costs_for,
+    fixed_ratios,
+)
 from verispec.engine import Engine
 from verispec.models.toy import LogitsModel
 from verispec.proposers import LOOKUP_ACCEPTANCE_PRIOR, PromptLookup
@@ -316,3 +323,13 @@ def test_seeded_sampling_is_cut_by_the_prior_not_the_clock() -> None:
 def test_engine_marks_rows_whose_drafts_it_cut_by_cost() -> None:
     seq = generate(Successor(1), list(range(V)) + [0, 1, 2], FixedCosts(0.17), n=8)
     assert seq.cut_by_cost
+
+
+def test_seeded_sampled_rows_are_priced_by_a_fixed_curve_that_skips_long_shots() -> None:
+    """Rows priced without the clock (a seeded sampled request) are never measured, so their curve
+    is not the optimistic exploration prior: at 1.1 for two tokens a copied token must be accepted
+    more than a tenth of the time to be drafted (at the prior's 1.05, a twentieth)."""
+    assert fixed_ratios(5) == pytest.approx([1.0, 1.1, 1.2, 1.3, 1.4])
+    assert best_draft_length([0.08], fixed_ratios(2)) == 0
+    assert best_draft_length([0.08], [1.0, 1 + PRIOR_EXTRA_TOKEN_COST]) == 1
+    assert best_draft_length([0.3, 0.9], fixed_ratios(3)) == 2

@@ -235,7 +235,7 @@ def test_drafts_cut_by_their_estimates_keep_the_law(monkeypatch, estimate, lossl
     (a token verified only when the draft liked it is emitted too often); the estimate drafters
     report must not. A steep cost curve makes the cuts frequent."""
     monkeypatch.setattr(
-        verispec.engine, "prior_ratios", lambda widths: [1.0 + 0.3 * w for w in range(widths)]
+        verispec.engine, "fixed_ratios", lambda widths: [1.0 + 0.3 * w for w in range(widths)]
     )
     law = exact_law(TARGET, 0, temperature=1.0, top_k=None, top_p=None)
     counts, drafted = first_tokens(EstimatingDraft(DRAFT, estimate))
@@ -258,7 +258,7 @@ def test_sampled_draft_lengths_never_look_at_later_tokens(monkeypatch, lookahead
     first token pays by itself (after a 1)."""
     from verispec.costs import best_draft_length
 
-    monkeypatch.setattr(verispec.engine, "prior_ratios", lambda widths: [1.0] + [1.6] * (widths - 1))
+    monkeypatch.setattr(verispec.engine, "fixed_ratios", lambda widths: [1.0] + [1.6] * (widths - 1))
     if lookahead:  # the engine as it was: every row looks ahead
         monkeypatch.setattr(
             verispec.engine,

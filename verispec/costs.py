@@ -223,9 +223,21 @@ def _guess(width: int) -> float:
     return 1.0 + PRIOR_EXTRA_TOKEN_COST * (max(width, 1) - 1)
 
 
-def prior_ratios(widths: int) -> list[float]:
-    """The cost curve before any measurement: ``[v(1), ..., v(widths)]``."""
-    return [_guess(w) for w in range(1, widths + 1)]
+FIXED_EXTRA_TOKEN_COST = 0.1
+"""Cost of each further token of a step for rows priced without the clock (a sampled request with a
+seed, whose response must not depend on measured times): ``v(w) = 1 + 0.1 (w - 1)``, 1.4 for 5
+tokens, within what this project measured for its quantised formats on CPUs (1.3-1.7 in w4a8 and
+int8; float32 1.97, a GPU near 1). Not the optimistic :data:`PRIOR_EXTRA_TOKEN_COST`, whose optimism
+measurement corrects: these rows are never measured. w4a8 at temperature 0.7 and top-p 0.9, ten
+Spec-Bench prompts per category, seed 0 (benchmarks/README.md, session 44, runs Q and R): at 0.05,
+21-22% of the drafted tokens were accepted and prompt lookup ran 1.02x plain (two cells below
+0.95x); at 0.1, 27-29% and 1.04x (one cell)."""
+
+
+def fixed_ratios(widths: int) -> list[float]:
+    """The cost curve of rows priced without the clock: ``[v(1), ..., v(widths)]``
+    (:data:`FIXED_EXTRA_TOKEN_COST`)."""
+    return [1.0 + FIXED_EXTRA_TOKEN_COST * (w - 1) for w in range(1, widths + 1)]
 
 
 _BY_TARGET: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from verispec.config import ConfigError, GenerationConfig, SamplingConfig
-from verispec.costs import StepCosts, best_draft_length, best_tree, costs_for, prior_ratios
+from verispec.costs import StepCosts, best_draft_length, best_tree, costs_for, fixed_ratios
 from verispec.detokenize import IncrementalDecoder
 from verispec.models.base import KVModel
 from verispec.proposers import Proposal, Proposer
@@ -477,9 +477,10 @@ class Engine:
         tokens (it gave distributions); its sampling rows are then cut by a stopping rule, without
         looking ahead (:func:`~verispec.costs.best_draft_length`).
 
-        A sampled request with a seed is cut by the prior cost curve instead: measured times differ
-        from run to run, and a different draft length consumes its random numbers differently, so
-        only a cut that does not depend on the clock lets the seed reproduce the response.
+        A sampled request with a seed is cut by the fixed cost curve instead (``fixed_ratios``):
+        measured times differ from run to run, and a different draft length consumes its random
+        numbers differently, so only a cut that does not depend on the clock lets the seed
+        reproduce the response.
         """
         out = list(num_draft)
         widest = max(out, default=0)
@@ -491,7 +492,7 @@ class Engine:
                 fixed = seq.config.seed is not None and not seq.config.sampling.greedy
                 if fixed not in curves:
                     width = widest + 1
-                    curves[fixed] = prior_ratios(width) if fixed else self.costs.ratios(width, batch, context)
+                    curves[fixed] = fixed_ratios(width) if fixed else self.costs.ratios(width, batch, context)
                 lookahead = not (sampled and not seq.config.sampling.greedy)
                 out[row] = best_draft_length(accept[row][:n], curves[fixed], lookahead=lookahead)
         return out

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from verispec.costs import DraftTimes, StepCosts, best_rate, prior_ratios
+from verispec.costs import DraftTimes, StepCosts, best_rate, fixed_ratios
 from verispec.proposers import AcceptanceCounts, PromptLookup, Proposal, Proposer, _empty
 from verispec.sampling import SamplingTensors, is_seeded
 
@@ -51,8 +51,8 @@ class LookupFirst:
             :data:`DRAFT_COST_PRIOR` until both are known. It moves with the target: 0.04-0.07 of a
             float32 step on the kernel in session 4, 0.11-0.16 in session 24.
         costs: the target's measured step costs (:func:`verispec.costs.costs_for`, which the
-            engine fills); None prices verification by the prior curve and leaves the draft's cost
-            at its prior.
+            engine fills); None prices verification by the fixed curve (``fixed_ratios``) and leaves
+            the draft's cost at its prior.
         prior, prior_weight: the draft's prior acceptance per position, and how many observations it
             counts as.
     """
@@ -99,9 +99,9 @@ class LookupFirst:
 
     def _prices(self, k: int, batch: int, context: int, seeded: bool) -> tuple[list[float], float]:
         """The verification curve for up to k drafts and the draft's cost per token: measured, or
-        for a seeded sampled row the prior curve and the unmeasured cost."""
+        for a seeded sampled row the fixed curve (``fixed_ratios``) and the unmeasured cost."""
         if seeded or self.costs is None:
-            curve = prior_ratios(k + 1)
+            curve = fixed_ratios(k + 1)
         else:
             curve = self.costs.ratios(k + 1, batch, context)
         return curve, self.draft_cost(batch, context, measured=not seeded)
