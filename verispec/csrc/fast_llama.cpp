@@ -1189,6 +1189,28 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(q, _mm256_castsi256_ps(e));
 }
 
+// The largest of v's 8 lanes.
+inline float hmax(__m256 v) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  float mx = lanes[0];
+  for (int i = 1; i < 8; ++i) mx = std::max(mx, lanes[i]);
+  return mx;
+}
+
+// s0 += e's lanes 0-3 and s1 += lanes 4-7, widened to double (exact).
+inline void add_wide(__m256 e, __m256d& s0, __m256d& s1) {
+  s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+  s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+}
+
+// The sum of v's 4 lanes in a fixed order.
+inline double hsum_pd(__m256d v) {
+  alignas(32) double d[4];
+  _mm256_store_pd(d, v);
+  return (d[0] + d[1]) + (d[2] + d[3]);
+}
+
 // p[0..n) *= scale, then p[j] = exp(p[j] - max p); returns sum p[j] (8 lanes over j, then the lanes
 // in order). Fixed order for a given n, so a query's weights do not depend on other queries.
 inline float softmax_numerators(float* p, int64_t n, float scale) {
@@ -1200,10 +1222,7 @@ inline float softmax_numerators(float* p, int64_t n, float scale) {
     _mm256_storeu_ps(p + j, v);
     vmax = _mm256_max_ps(vmax, v);
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, vmax);
-  float mx = lanes[0];
-  for (int i = 1; i < 8; ++i) mx = std::max(mx, lanes[i]);
+  float mx = hmax(vmax);
   for (; j < n; ++j) {
     p[j] *= scale;
     mx = std::max(mx, p[j]);
@@ -1215,6 +1234,7 @@ inline float softmax_numerators(float* p, int64_t n, float scale) {
     _mm256_storeu_ps(p + j, e);
     vsum = _mm256_add_ps(vsum, e);
   }
+  alignas(32) float lanes[8];
   _mm256_store_ps(lanes, vsum);
   float sum = 0.0f;
   for (int i = 0; i < 8; ++i) sum += lanes[i];
@@ -3117,13 +3137,9 @@ inline double mass_from(const float* e, int64_t V, float floor) {
   int64_t j = 0;
   for (; j + 8 <= V; j += 8) {
     const __m256 v = _mm256_loadu_ps(e + j);
-    const __m256 m = _mm256_and_ps(v, _mm256_cmp_ps(v, vf, _CMP_GE_OQ));
-    s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(m)));
-    s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(m, 1)));
+    add_wide(_mm256_and_ps(v, _mm256_cmp_ps(v, vf, _CMP_GE_OQ)), s0, s1);
   }
-  alignas(32) double d[4];
-  _mm256_store_pd(d, _mm256_add_pd(s0, s1));
-  double sum = (d[0] + d[1]) + (d[2] + d[3]);
+  double sum = hsum_pd(_mm256_add_pd(s0, s1));
   for (; j < V; ++j)
     if (e[j] >= floor) sum += e[j];
   return sum;
@@ -3222,12 +3238,9 @@ at::Tensor draw_rows_op(const at::Tensor& probs, const at::Tensor& u) {
     for (int64_t b = 0; b < blocks; ++b) {
       double s = 0.0;
       if (8 * b + 8 <= V) {
-        const __m256 v = _mm256_loadu_ps(row + 8 * b);
-        const __m256d h = _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(v)),
-                                        _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
-        alignas(32) double d[4];
-        _mm256_store_pd(d, h);
-        s = (d[0] + d[1]) + (d[2] + d[3]);
+        __m256d h0 = _mm256_setzero_pd(), h1 = _mm256_setzero_pd();
+        add_wide(_mm256_loadu_ps(row + 8 * b), h0, h1);
+        s = hsum_pd(_mm256_add_pd(h0, h1));
       } else {
         for (int64_t j = 8 * b; j < V; ++j) s += row[j];
       }
@@ -3278,10 +3291,7 @@ void sampling_row(const float* logits, int64_t V, double temperature, int64_t to
     _mm256_storeu_ps(out + j, v);
     vmax = _mm256_max_ps(vmax, v);
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, vmax);
-  float mx = lanes[0];
-  for (int i = 1; i < 8; ++i) mx = std::max(mx, lanes[i]);
+  float mx = hmax(vmax);
   for (int64_t j = V8; j < V; ++j) {
     out[j] = logits[j] / t;
     mx = std::max(mx, out[j]);
@@ -3315,12 +3325,9 @@ void sampling_row(const float* logits, int64_t V, double temperature, int64_t to
     const __m256 v = _mm256_loadu_ps(out + j);
     const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(v, vm)), _mm256_cmp_ps(v, vlo, _CMP_GE_OQ));
     _mm256_storeu_ps(out + j, e);
-    sum0 = _mm256_add_pd(sum0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
-    sum1 = _mm256_add_pd(sum1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+    add_wide(e, sum0, sum1);
   }
-  alignas(32) double dl[4];
-  _mm256_store_pd(dl, _mm256_add_pd(sum0, sum1));
-  double z = (dl[0] + dl[1]) + (dl[2] + dl[3]);
+  double z = hsum_pd(_mm256_add_pd(sum0, sum1));
   for (int64_t j = V8; j < V; ++j) {
     alignas(32) float one[8] = {out[j] - mx, 0, 0, 0, 0, 0, 0, 0};
     _mm256_store_ps(one, exp8(_mm256_load_ps(one)));
@@ -3755,10 +3762,7 @@ class FastLlamaKernel {
       top = _mm256_max_ps(top, v);
     }
     bool any_nan = _mm256_movemask_ps(nan) != 0;
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, top);
-    float most = lanes[0];
-    for (int i = 1; i < 8; ++i) most = std::max(most, lanes[i]);
+    float most = hmax(top);
     for (int64_t j = n8; j < n; ++j) {
       any_nan = any_nan || std::isnan(row[j]);
       most = std::max(most, row[j]);
@@ -4135,10 +4139,7 @@ class FastLlamaKernel {
           vlo = _mm256_max_ps(_mm256_sub_ps(va, m), vlo);
           _mm256_storeu_ps(up + j, _mm256_add_ps(va, m));
         }
-        alignas(32) float lanes[8];
-        _mm256_store_ps(lanes, vlo);
-        float lo = lanes[0];
-        for (int i = 1; i < 8; ++i) lo = std::max(lo, lanes[i]);
+        float lo = hmax(vlo);
         for (; j < V; ++j) {
           const float m = std::fabs(a[j]) * 0x1p-19f + ef * wn[j] + hf * rn[j];
           lo = std::max(lo, a[j] - m);
