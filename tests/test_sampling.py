@@ -137,6 +137,28 @@ def test_kernel_transform_keeps_the_definition(scale, temperature, top_k, top_p,
 
 
 @requires_kernel
+@pytest.mark.parametrize(("top_k", "top_p"), [(1, 1.0), (2000, 0.9), (7, 0.6), (0, 0.3)])
+def test_kernel_transform_on_a_vocabulary_not_a_multiple_of_8(top_k: int, top_p: float) -> None:
+    """The scalar tails (V = 1001): top-k of 1 keeps only the largest, a top-k at or above V is off,
+    and the tail tokens are scaled, filtered and normalised like the others."""
+    kernel = fast_llama._load_kernel()
+    logits = torch.randn(4, 1001, generator=torch.Generator().manual_seed(top_k)) * 2
+    logits[:, -1] = logits.max() + 1  # the most probable token in the tail
+    got = kernel.sampling_probs(
+        logits,
+        torch.full((4,), 0.9, dtype=torch.float64),
+        torch.full((4,), top_k),
+        torch.full((4,), top_p, dtype=torch.float64),
+    ).double()
+    want, margin = _transform_reference(logits, 0.9, top_k, top_p)
+    assert bool((margin > 1e-6).all())
+    assert torch.equal(got > 0, want > 0)
+    assert float((got - want).abs().sum(dim=-1).max()) < 2e-6
+    if top_k == 1:
+        assert torch.equal(got[:, -1], torch.ones(4, dtype=torch.float64))
+
+
+@requires_kernel
 def test_kernel_draws_match_the_torch_draws() -> None:
     """``draw_rows`` draws the token the float64 cdf gives for the same uniform, never one of
     probability 0, and the last possible token for a uniform just below 1."""
