@@ -92,9 +92,8 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingTensors) -> torch.Tens
     kernel = sampling_kernel(logits)
     if kernel is not None:
         rows = logits.shape[1]
-        per_row = (params.temperature, params.top_k, params.top_p)  # [B] each, then [B * T]
-        if rows > 1:
-            per_row = tuple(t.repeat_interleave(rows) for t in per_row)
+        per_row = (params.temperature.double(), params.top_k.long(), params.top_p.double())  # [B] each
+        per_row = tuple(t.repeat_interleave(rows) if rows > 1 else t.contiguous() for t in per_row)  # [B * T]
         flat = logits.reshape(batch * rows, -1).contiguous()  # [B * T, V]
         probs = kernel.sampling_probs(flat, *per_row).view(logits.shape)
     else:
