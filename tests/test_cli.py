@@ -151,6 +151,16 @@ def test_generate_default_model_text_and_json():
     res = run("generate", "What is the capital of France?", "--max-new-tokens", "24", "--json")
     out = json.loads(res.stdout)
     assert "Paris" in out["text"] and out["stats"]["new_tokens"] <= 24
+    # The caches are sized for this prompt, not the model's 8192 positions (360 MiB in float32).
+    assert 0 < out["stats"]["memory_bytes"]["target_kv_cache"] < 64 << 20
+
+
+def test_generate_sizes_its_cache_for_the_prompt():
+    """One position per byte of the prompt (a byte-level tokenizer makes no more tokens than that),
+    the template's allowance, the new tokens and a step's drafts."""
+    from verispec.commands.generate import TEMPLATE_TOKENS, cache_length
+
+    assert cache_length("héllo", 10, 4) == 6 + TEMPLATE_TOKENS + 10 + 4 + 1
 
 
 def test_gemma_draft_for_default_target_is_refused(tmp_path, monkeypatch):

@@ -25,6 +25,19 @@ from verispec.tokenizers import encode_prompt
 log = logging.getLogger("verispec")
 GREEN, RESET = "\033[32m", "\033[0m"
 
+TEMPLATE_TOKENS = 1024
+"""Tokens allowed for a chat template around the prompt when sizing the cache (SmolLM2's adds about
+30, with its default system prompt)."""
+
+
+def cache_length(prompt: str, max_new_tokens: int, num_speculative_tokens: int) -> int:
+    """Positions the caches need for one generation, sized before the tokenizer is loaded: a
+    byte-level or byte-fallback tokenizer makes at most one token per byte of the prompt, plus the
+    template's tokens, the new tokens and a step's drafts. ``load_model`` caps it at the model's
+    own limit. (The model's limit, 8192 for SmolLM2, held a 360 MiB float32 cache for a one-line
+    prompt.)"""
+    return len(prompt.encode()) + TEMPLATE_TOKENS + max_new_tokens + num_speculative_tokens + 1
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``verispec generate``."""
@@ -56,7 +69,13 @@ def run(args: argparse.Namespace) -> int:
     check_model_arguments(args)
     from verispec.models.loading import load_model
 
-    target = load_model(args.model, backend=args.backend, dtype=args.dtype, device=args.device)
+    target = load_model(
+        args.model,
+        backend=args.backend,
+        dtype=args.dtype,
+        device=args.device,
+        max_length=cache_length(args.prompt, args.max_new_tokens, args.num_speculative_tokens),
+    )
     proposer = None
     if config.num_speculative_tokens > 0:
         proposer = proposer_from_args(target, args)
