@@ -1172,8 +1172,9 @@ void linear_vnni_tiles(const float* x, int64_t M, int64_t ldx, const i8* wt, con
 // for exp(r) (Cephes' expf coefficients), times 2^n. Inputs are clamped to [-87.3, 88] (2^-126 and
 // 2^127 stay normal); relative error about 2 ulp. Every element goes through this same code, so a
 // score's weight depends only on the score.
+constexpr float kExp8Least = -87.33654f;  // exp8's least input: exp of it is 2^-126
 inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.33654f));
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(kExp8Least));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -1187,6 +1188,15 @@ inline __m256 exp8(__m256 x) {
   q = _mm256_fmadd_ps(q, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(q, _mm256_castsi256_ps(e));
+}
+
+// out[i] = exp8(x[i] - shift) for i < n < 8, through one padded vector: each the same arithmetic
+// as in a whole group of 8.
+inline void exp8_tail(const float* x, int64_t n, float shift, float* out) {
+  alignas(32) float t[8];
+  for (int i = 0; i < 8; ++i) t[i] = i < n ? x[i] - shift : -100.0f;
+  _mm256_store_ps(t, exp8(_mm256_load_ps(t)));
+  std::memcpy(out, t, n * sizeof(float));
 }
 
 // The largest of v's 8 lanes.
@@ -1239,13 +1249,8 @@ inline float softmax_numerators(float* p, int64_t n, float scale) {
   float sum = 0.0f;
   for (int i = 0; i < 8; ++i) sum += lanes[i];
   if (j < n) {  // the tail through the same exp8, padded
-    alignas(32) float t[8];
-    for (int i = 0; i < 8; ++i) t[i] = j + i < n ? p[j + i] - mx : -100.0f;
-    _mm256_store_ps(t, exp8(_mm256_load_ps(t)));
-    for (int64_t i = 0; j + i < n; ++i) {
-      p[j + i] = t[i];
-      sum += t[i];
-    }
+    exp8_tail(p + j, n - j, mx, p + j);
+    for (; j < n; ++j) sum += p[j];
   }
   return sum;
 }
@@ -3155,11 +3160,12 @@ inline double mass_from(const float* e, int64_t V, float floor) {
 // reaches the target (a pass each): real distributions' nuclei end within 2^-8.
 std::pair<float, int64_t> nucleus_cut(const float* e, int64_t V, double target, std::vector<double>& hist) {
   constexpr int kBins = 1 << 12;  // bits >> 19 of a float in (0, 1]: at most 0x3F800000 >> 19
-  float floor = 0x1p-8f;
-  for (const float f : {0x1p-8f, 0x1p-16f, 0x1p-32f, std::numeric_limits<float>::denorm_min()}) {
-    floor = f;
-    if (mass_from(e, V, f) >= target) break;
-  }
+  float floor = std::numeric_limits<float>::denorm_min();  // every token top-k kept, at the last
+  for (const float f : {0x1p-8f, 0x1p-16f, 0x1p-32f})
+    if (mass_from(e, V, f) >= target) {
+      floor = f;
+      break;
+    }
   auto bin = [](float v) {
     uint32_t u;
     std::memcpy(&u, &v, sizeof u);
@@ -3318,8 +3324,9 @@ void sampling_row(const float* logits, int64_t V, double temperature, int64_t to
     lo = heap.front();
   }
   // exp(s - max) where s >= lo, else 0; their sum in double, lane by lane in a fixed order. Below
-  // exp8's least input (-87.34: 2^-126) a probability is too small to draw and stays 0 too.
-  const __m256 vm = _mm256_set1_ps(mx), vlo = _mm256_set1_ps(std::max(lo, mx - 87.33654f));
+  // exp8's least input (2^-126) a probability is too small to draw and stays 0 too.
+  const float keep_from = std::max(lo, mx + kExp8Least);
+  const __m256 vm = _mm256_set1_ps(mx), vlo = _mm256_set1_ps(keep_from);
   __m256d sum0 = _mm256_setzero_pd(), sum1 = _mm256_setzero_pd();
   for (int64_t j = 0; j < V8; j += 8) {
     const __m256 v = _mm256_loadu_ps(out + j);
@@ -3328,11 +3335,13 @@ void sampling_row(const float* logits, int64_t V, double temperature, int64_t to
     add_wide(e, sum0, sum1);
   }
   double z = hsum_pd(_mm256_add_pd(sum0, sum1));
-  for (int64_t j = V8; j < V; ++j) {
-    alignas(32) float one[8] = {out[j] - mx, 0, 0, 0, 0, 0, 0, 0};
-    _mm256_store_ps(one, exp8(_mm256_load_ps(one)));
-    out[j] = out[j] >= std::max(lo, mx - 87.33654f) ? one[0] : 0.0f;  // out[j] still holds s here
-    z += out[j];
+  if (V8 < V) {
+    alignas(32) float e[8];
+    exp8_tail(out + V8, V - V8, mx, e);
+    for (int64_t j = V8; j < V; ++j) {
+      out[j] = out[j] >= keep_from ? e[j - V8] : 0.0f;  // out[j] still holds s here
+      z += out[j];
+    }
   }
   if (top_p < 1.0) {
     const auto [cut_e, cut_j] = nucleus_cut(out, V, top_p * z, hist);
