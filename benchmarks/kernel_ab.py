@@ -1,8 +1,8 @@
 """Greedy step times of two (or more) builds of the C++ kernel, alternating.
 
 Two models loaded side by side can differ by a fifth or more with the same build on these machines
-(where their weights land in memory), and timings drift within minutes. So this compiles both
-sources (two versions of ``verispec/csrc/fast_llama.cpp``), loads the model once, builds one kernel
+(where their weights land in memory), and timings drift within minutes. So this compiles each of
+the sources (versions of ``verispec/csrc/fast_llama.cpp``), loads the model once, builds one kernel
 object per source over the same weight tensors and cache, and times greedy steps of each width with
 each kernel in turn, round after round (each kernel first in every other round). It prints, per
 source, min / median ms per width.

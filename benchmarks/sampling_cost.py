@@ -28,8 +28,10 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=50)
     args = ap.parse_args()
     settings = {"temperature": (0, 1.0), "top-k 50": (50, 1.0), "top-p 0.9": (0, 0.9), "both": (50, 0.9)}
-    kernel = fast_llama._load_kernel()
-    paths = {"torch": lambda logits: None, "kernel": sampling.sampling_kernel} if kernel else {"torch": None}
+    # The torch transform itself, and logits_to_probs, which takes the kernel's once it is loaded.
+    paths = {"torch": sampling._probs_torch}
+    if fast_llama._load_kernel() is not None:
+        paths["kernel"] = logits_to_probs
     gen = torch.Generator().manual_seed(0)
     for t in (1, 5):
         logits = torch.randn(1, t, args.vocab, generator=gen) * args.scale  # [1, T, V]
@@ -40,14 +42,12 @@ def main() -> None:
                 torch.tensor([top_p], dtype=torch.float64),
             )
             cells = []
-            for path, chooser in paths.items():
-                if chooser is not None:
-                    sampling.sampling_kernel = chooser
+            for path, transform in paths.items():
                 for _ in range(5):
-                    logits_to_probs(logits, params)
+                    transform(logits, params)
                 start = time.perf_counter()
                 for _ in range(args.calls):
-                    logits_to_probs(logits, params)
+                    transform(logits, params)
                 cells.append(f"{path} {(time.perf_counter() - start) / args.calls * 1e3:.3f}")
             print(f"T={t} {name}: " + ", ".join(cells) + " ms", flush=True)
 
