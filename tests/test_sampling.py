@@ -97,6 +97,18 @@ def _transform_reference(
     return torch.softmax(scaled, dim=-1), margin
 
 
+def _kernel_probs(logits: torch.Tensor, t: float, k: int, p: float) -> torch.Tensor:
+    """The kernel's ``sampling_probs`` of ``logits [R, V]`` with one setting for every row, ``[R, V]``."""
+    rows = logits.shape[0]
+    f64 = torch.float64
+    return fast_llama._load_kernel().sampling_probs(
+        logits.contiguous(),
+        torch.full((rows,), t, dtype=f64),
+        torch.full((rows,), k),
+        torch.full((rows,), p, dtype=f64),
+    )
+
+
 @requires_kernel
 @pytest.mark.parametrize(
     ("scale", "temperature", "top_k", "top_p", "ties"),
@@ -116,17 +128,11 @@ def _transform_reference(
 def test_kernel_transform_keeps_the_definition(scale, temperature, top_k, top_p, ties) -> None:
     """The same tokens as the float64 definition (but within rounding of the top-p cut), their
     probabilities within 1e-6 in total variation, 0 everywhere else."""
-    kernel = fast_llama._load_kernel()
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(int(scale * 10) + top_k)) * scale
     if ties:
         logits = logits.round()
     rows = logits.shape[0]
-    got = kernel.sampling_probs(
-        logits,
-        torch.full((rows,), temperature, dtype=torch.float64),
-        torch.full((rows,), top_k),
-        torch.full((rows,), top_p, dtype=torch.float64),
-    ).double()
+    got = _kernel_probs(logits, temperature, top_k, top_p).double()
     want, margin = _transform_reference(logits, temperature, top_k, top_p)
     clear = margin > 1e-6
     assert not bool(((got > 0) & (want == 0))[clear].any())  # nothing dropped comes back
@@ -141,15 +147,9 @@ def test_kernel_transform_keeps_the_definition(scale, temperature, top_k, top_p,
 def test_kernel_transform_on_a_vocabulary_not_a_multiple_of_8(top_k: int, top_p: float) -> None:
     """The scalar tails (V = 1001): top-k of 1 keeps only the largest, a top-k at or above V is off,
     and the tail tokens are scaled, filtered and normalised like the others."""
-    kernel = fast_llama._load_kernel()
     logits = torch.randn(4, 1001, generator=torch.Generator().manual_seed(top_k)) * 2
     logits[:, -1] = logits.max() + 1  # the most probable token in the tail
-    got = kernel.sampling_probs(
-        logits,
-        torch.full((4,), 0.9, dtype=torch.float64),
-        torch.full((4,), top_k),
-        torch.full((4,), top_p, dtype=torch.float64),
-    ).double()
+    got = _kernel_probs(logits, 0.9, top_k, top_p).double()
     want, margin = _transform_reference(logits, 0.9, top_k, top_p)
     assert bool((margin > 1e-6).all())
     assert torch.equal(got > 0, want > 0)
@@ -194,13 +194,7 @@ def test_logits_to_probs_takes_the_kernel_for_float32() -> None:
     )
     assert sampling_kernel(logits) is kernel and sampling_kernel(logits.double()) is None
     got = logits_to_probs(logits, params)
-    direct = kernel.sampling_probs(
-        logits[0].contiguous(),
-        torch.full((3,), 0.8, dtype=torch.float64),
-        torch.zeros(3, dtype=torch.int64),
-        torch.full((3,), 0.9, dtype=torch.float64),
-    )
-    assert torch.equal(got[0], direct)
+    assert torch.equal(got[0], _kernel_probs(logits[0], 0.8, 0, 0.9))
     assert torch.equal(got[1], torch.nn.functional.one_hot(logits[1].argmax(-1), V).float())
     torch_path = logits_to_probs(logits.double(), params)
     assert float((torch_path[0] - got[0].double()).abs().sum(-1).max()) < 1e-5
