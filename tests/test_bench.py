@@ -151,6 +151,29 @@ def test_bench_draft_model_and_assisted_peer(tiny_model_folder, prompts_file, tm
     assert results["memory_bytes"]["draft_weights"] > 0
 
 
+def test_seeded_sampled_bench_checks_the_copying_methods_output(tiny_model_folder, prompts_file, tmp_path):
+    """Sampling with a seed, prompt lookup's output is the plain output (its drafts are point
+    masses), and the bench says so per row and in its goals; a draft model's sampled output follows
+    the target's law but not the plain tokens, so its rows say nothing (None)."""
+    out = tmp_path / "out"
+    code = main([
+        "bench", "--model", str(tiny_model_folder), "--draft-model", str(tiny_model_folder), "--prompts",
+        str(prompts_file), "--max-new-tokens", "12", "-k", "3", "--no-progress", "--temperature", "0.8",
+        "--seed", "5", "--methods", "autoregressive,prompt-lookup,draft-model", "--out", str(out),
+    ])  # fmt: skip
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    rows = [r for r in results["rows"] if r["category"] == "all"]
+    lookup = [r for r in rows if r["method"] == "prompt-lookup"]
+    assert lookup and all(r["outputs_match_baseline"] is True for r in lookup)
+    assert sum(r["prompts_matching_baseline"] for r in lookup) == 2 * len(lookup)
+    assert all(r["outputs_match_baseline"] is None for r in rows if r["method"] == "draft-model")
+    goals = {g["goal"]: g for g in results["goals"]}
+    same = goals["seeded sampling: our copying methods' output identical to plain sampled output"]
+    assert same["met"] is True and same["value"] == "all identical"
+    assert not any("greedy output identical" in g for g in goals)  # the greedy check is for greedy runs
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [

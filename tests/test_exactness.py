@@ -163,23 +163,28 @@ def test_kernel_transform_and_draws_follow_target_law(monkeypatch, temperature, 
     assert max_z(counts, law) < SIGMAS
 
 
-def broken_rejection_sample(draft_tokens, draft_probs, target_probs, num_draft, generators):
+def broken_rejection_sample(
+    draft_tokens, draft_probs, target_probs, num_draft, token_uniforms, accept_uniforms=None
+):
     """The classic bug: after a rejection, resample from the target instead of the residual."""
     batch, k = draft_tokens.shape
-    rand = uniforms(generators, k + 1)
+    rand = token_uniforms
     p_t = target_probs[:, :k].gather(-1, draft_tokens[..., None])[..., 0]
     p_d = (
         torch.ones_like(p_t)
         if draft_probs is None
         else draft_probs.gather(-1, draft_tokens[..., None])[..., 0]
     )
-    accept = (rand[:, :k] * p_d < p_t) & (torch.arange(k)[None] < num_draft[:, None])
+    tested = token_uniforms[:, :k] if accept_uniforms is None else accept_uniforms
+    accept = (tested * p_d < p_t) & (torch.arange(k)[None] < num_draft[:, None])
     num_accepted = accept.long().cumprod(1).sum(1)
     final = target_probs.gather(1, num_accepted.view(batch, 1, 1).expand(-1, 1, target_probs.shape[-1]))[:, 0]
     tokens = torch.full((batch, k + 1), -1, dtype=torch.int64)
     keep = torch.arange(k)[None] < num_accepted[:, None]
     tokens[:, :k] = torch.where(keep, draft_tokens, tokens[:, :k])
-    tokens.scatter_(1, num_accepted[:, None], inverse_cdf(final, rand[:, k])[:, None])
+    tokens.scatter_(
+        1, num_accepted[:, None], inverse_cdf(final, rand.gather(1, num_accepted[:, None])[:, 0])[:, None]
+    )
     return Verdict(tokens=tokens, num_accepted=num_accepted)
 
 
@@ -299,3 +304,27 @@ def test_reference_implementation_follows_target_law():
         p = rows[0][a] * rows[a][b]
         se = np.sqrt(p * (1 - p) / n)
         assert abs(counts.get((a, b), 0) / n - p) < SIGMAS * se
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), SETTINGS)
+def test_point_mass_drafts_emit_the_plain_sampled_tokens(temperature, top_k, top_p):
+    """Prompt lookup's drafts are point masses, so a seeded request's tokens are the plain seeded
+    request's, token for token (the verdict emits the target's own draw at each position). That holds
+    whatever the drafts and their lengths, which here follow the clock (the Bigram's measured step
+    costs), and whichever rows share the batch."""
+    prompts = torch.tensor([[0, 1, 2, 3, 0, 1, 3, 2, 0, 2]] * 300)  # [300, 10]
+    settings = dict(max_new_tokens=16, temperature=temperature, top_k=top_k, top_p=top_p, seed=11)
+    target = Bigram(TARGET)
+    plain = verispec.speculative_generate(target, None, prompts, num_speculative_tokens=0, **settings)
+    for k in (2, 5):
+        drafted = verispec.speculative_generate(
+            target, verispec.PromptLookup(), prompts, num_speculative_tokens=k, **settings
+        )
+        assert [r.token_ids for r in drafted] == [r.token_ids for r in plain]
+        assert sum(r.stats.accepted_tokens for r in drafted) > 0
+        assert sum(r.stats.draft_tokens for r in drafted) > sum(r.stats.accepted_tokens for r in drafted)
+    # A row alone: its seed in the batch was seed + 7.
+    alone = verispec.speculative_generate(
+        target, verispec.PromptLookup(), prompts[7], num_speculative_tokens=3, **{**settings, "seed": 18}
+    )
+    assert alone.token_ids == plain[7].token_ids

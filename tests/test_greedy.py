@@ -192,6 +192,52 @@ def test_default_model_greedy_equals_plain(default_model, tiny_model_folder):
     assert table.table_drafts > 0  # the table drafted, and was checked, somewhere
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not SPEC_BENCH.is_file(), reason="Spec-Bench file not present")
+def test_default_model_seeded_sampled_lookup_equals_plain(default_model):
+    """Sampling with a seed on the real default model and real prompts, prompt lookup and lookup
+    with the shipped n-gram table emit the plain seeded tokens (their drafts are point masses, and
+    each position's token is the target's own draw from that position's uniform)."""
+    from verispec.tokenizers import encode_prompt
+
+    table = verispec.NgramLookup.for_target(default_model)
+    settings = dict(max_new_tokens=32, temperature=0.7, top_p=0.9, seed=4)
+    accepted = 0
+    for text in spec_bench_prompts():
+        ids = encode_prompt(default_model.tokenizer, text, chat=True)
+        plain = verispec.speculative_generate(default_model, None, ids, **settings)
+        for k in (4, 8):
+            for drafter in (verispec.PromptLookup(), table):
+                spec = verispec.speculative_generate(
+                    default_model, drafter, ids, num_speculative_tokens=k, **settings
+                )
+                assert spec.token_ids == plain.token_ids, (k, type(drafter).__name__, text[:40])
+                accepted += spec.stats.accepted_tokens
+    assert accepted > 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_fast_path_seeded_sampled_lookup_equals_plain(dtype):
+    """The kernel's logits for a token do not depend on how many tokens a call holds, so with a
+    seed, sampled prompt lookup emits the plain sampled tokens in every weight format."""
+    from verispec.models.fast_llama import kernel_available
+    from verispec.models.loading import wrap
+
+    if not kernel_available():
+        pytest.skip("bitwise T-independence is the kernel's; the torch fallback is only close")
+    target = wrap(tiny_llama(vocab_size=64, seed=0, layers=2, hidden=32, dtype=torch.float32), dtype=dtype)
+    assert target.uses_kernel
+    prompt = repetitive_prompt()
+    settings = dict(max_new_tokens=40, temperature=0.8, top_k=20, seed=3)
+    plain = verispec.speculative_generate(target, None, prompt, **settings)
+    for k in (1, 5):
+        spec = verispec.speculative_generate(
+            target, verispec.PromptLookup(), prompt, num_speculative_tokens=k, **settings
+        )
+        assert spec.token_ids == plain.token_ids, k
+        assert spec.stats.draft_tokens > 0
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
 def test_fast_path_low_precision_greedy_equals_plain(dtype):
     """With bf16 or int8 weights the fast path's greedy speculative output is its plain output."""

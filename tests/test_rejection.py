@@ -7,9 +7,14 @@ import math
 import pytest
 import torch
 
-from verispec.rejection import inverse_cdf, rejection_sample
+from verispec.rejection import ACCEPT_STREAM, TOKEN_STREAM, inverse_cdf, position_uniforms, rejection_sample
 
 V = 6
+
+
+def rand(batch: int, count: int, seed: int = 0) -> torch.Tensor:
+    """``[batch, count]`` float64 uniforms."""
+    return torch.rand(batch, count, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
 def one_hot_logits(tokens: list[int]) -> torch.Tensor:
@@ -37,7 +42,10 @@ def test_greedy_cases(draft, target, accepted, emitted):
     draft_tokens = torch.tensor([draft])
     draft_probs = greedy(one_hot_logits(draft))
     target_probs = greedy(one_hot_logits(target))
-    verdict = rejection_sample(draft_tokens, draft_probs, target_probs, torch.tensor([len(draft)]), [None])
+    k = len(draft)
+    verdict = rejection_sample(
+        draft_tokens, draft_probs, target_probs, torch.tensor([k]), rand(1, k + 1), rand(1, k, seed=1)
+    )
     assert int(verdict.num_accepted[0]) == accepted
     assert verdict.tokens[0, : accepted + 1].tolist() == emitted
     assert (verdict.tokens[0, accepted + 1 :] == -1).all()
@@ -47,7 +55,7 @@ def test_point_mass_draft_greedy_and_partial_rows():
     """Point-mass drafts (None probs) and rows with fewer real drafts than k."""
     draft_tokens = torch.tensor([[1, 2, 3], [1, 2, 3]])
     target_probs = greedy(torch.cat([one_hot_logits([1, 2, 3, 4]), one_hot_logits([1, 2, 0, 4])]))
-    verdict = rejection_sample(draft_tokens, None, target_probs, torch.tensor([3, 1]), [None, None])
+    verdict = rejection_sample(draft_tokens, None, target_probs, torch.tensor([3, 1]), rand(2, 4))
     assert verdict.num_accepted.tolist() == [3, 1]
     assert verdict.tokens[0].tolist() == [1, 2, 3, 4]
     assert verdict.tokens[1].tolist() == [1, 2, -1, -1]  # only one real draft: bonus after it
@@ -59,7 +67,9 @@ def first_token_law(draft_probs: torch.Tensor, target_probs: torch.Tensor, n: in
     draft_tokens = torch.multinomial(draft_probs, n, replacement=True)[:, None]  # [n, 1]
     dp = None if point_mass else draft_probs.expand(n, 1, V)
     tp = target_probs.expand(n, 2, V)
-    verdict = rejection_sample(draft_tokens, dp, tp, torch.ones(n, dtype=torch.int64), [None] * n)
+    verdict = rejection_sample(
+        draft_tokens, dp, tp, torch.ones(n, dtype=torch.int64), rand(n, 2), rand(n, 1, seed=1)
+    )
     return torch.bincount(verdict.tokens[:, 0], minlength=V).double() / n
 
 
@@ -94,49 +104,94 @@ def test_inverse_cdf_never_picks_zero_probability():
     assert inverse_cdf(probs, u).tolist() == [1, 1, 3, 3]
 
 
-def test_seeded_rows_are_reproducible():
-    gens = [torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)]
-    draft_probs = torch.full((2, 3, V), 1.0 / V, dtype=torch.float64)
-    target_probs = torch.softmax(torch.randn(2, 4, V, dtype=torch.float64), dim=-1)
-    toks = torch.randint(0, V, (2, 3))
-    a = rejection_sample(toks, draft_probs, target_probs, torch.tensor([3, 3]), gens)
-    gens = [torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)]
-    b = rejection_sample(toks, draft_probs, target_probs, torch.tensor([3, 3]), gens)
-    assert torch.equal(a.tokens, b.tokens)
-    assert math.isclose(float(a.num_accepted.sum()), float(b.num_accepted.sum()))
+def test_one_hot_draft_probs_follow_target_law():
+    """A drafter that gives distributions may still give a point mass at some positions (lookup's
+    rows beside a draft model's); those positions take the point-mass form, and the law holds."""
+    n = 200_000
+    target = torch.tensor([0.1, 0.1, 0.2, 0.3, 0.3, 0.0], dtype=torch.float64)
+    draft = torch.zeros(V, dtype=torch.float64)
+    draft[2] = 1.0
+    emp = first_token_law(draft, torch.stack([target, target]), n)
+    assert_law(emp, target, n)
 
 
-def test_rows_without_drafts_take_the_targets_token_from_the_last_uniform():
-    """With nothing drafted in any row, the sampled token is the inverse-cdf draw of the target's
-    first distribution with the row's uniform k (the same draw the general path makes: a seeded row
-    gives the same token either way), the rest of the row is -1 and nothing is accepted."""
+def test_point_mass_rows_emit_the_targets_own_draws():
+    """With point-mass drafts every emitted token, accepted or not, is the target's inverse-cdf draw
+    at its position from that position's uniform: what plain sampling emits with the same uniforms."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        batch, k = 3, int(torch.randint(1, 6, (1,), generator=g))
+        target_probs = torch.softmax(
+            2 * torch.randn(batch, k + 1, V, generator=g, dtype=torch.float64), dim=-1
+        )
+        u = rand(batch, k + 1, seed=trial)
+        own = inverse_cdf(target_probs.reshape(-1, V), u.reshape(-1)).view(batch, k + 1)
+        # Drafts that follow the target's draws for a while, then guess.
+        drafts = torch.where(
+            torch.rand(batch, k, generator=g) < 0.7, own[:, :k], torch.randint(0, V, (batch, k), generator=g)
+        )
+        num_draft = torch.randint(0, k + 1, (batch,), generator=g)
+        one_hot = torch.zeros(batch, k, V, dtype=torch.float64).scatter_(-1, drafts[..., None], 1.0)
+        for draft_probs in (None, one_hot):
+            verdict = rejection_sample(
+                drafts, draft_probs, target_probs, num_draft, u, rand(batch, k, seed=1)
+            )
+            for b in range(batch):
+                n = int(verdict.num_accepted[b])
+                assert verdict.tokens[b, : n + 1].tolist() == own[b, : n + 1].tolist()
+                assert n == num_draft[b] or int(drafts[b, n]) != int(own[b, n])  # stopped at a miss
+                assert (verdict.tokens[b, n + 1 :] == -1).all()
+
+
+def test_rows_without_drafts_take_the_targets_token_from_the_first_uniform():
+    """A plain sampled step (nothing drafted in any row) takes its own short path; the token is the
+    target's draw with the row's first uniform, as when another row's drafts send it down the
+    general path."""
     k = 3
     target_probs = torch.softmax(torch.randn(2, k + 1, V, dtype=torch.float64), dim=-1)
     toks = torch.randint(0, V, (2, k))
-    for draft_probs in (None, torch.full((2, k, V), 1.0 / V, dtype=torch.float64)):
-        got = rejection_sample(
-            toks, draft_probs, target_probs, torch.zeros(2, dtype=torch.int64),
-            [torch.Generator().manual_seed(3), torch.Generator().manual_seed(4)],
-        )  # fmt: skip
-        rand = torch.stack(
-            [
-                torch.rand(k + 1, generator=torch.Generator().manual_seed(s), dtype=torch.float64)
-                for s in (3, 4)
-            ]
-        )
-        assert torch.equal(got.tokens[:, 0], inverse_cdf(target_probs[:, 0], rand[:, k]))
-        assert torch.equal(got.tokens[:, 1:], torch.full((2, k), -1))
-        assert torch.equal(got.num_accepted, torch.zeros(2, dtype=torch.int64))
-    # One row drafting sends both rows through the general path, which agrees on the other row.
     for seed in range(20):
-        alone = rejection_sample(
-            toks, None, target_probs, torch.zeros(2, dtype=torch.int64),
-            [torch.Generator().manual_seed(seed), None],
-        )  # fmt: skip
-        mixed = rejection_sample(
-            toks, None, target_probs, torch.tensor([0, 2]), [torch.Generator().manual_seed(seed), None]
-        )
+        u = rand(2, k + 1, seed=seed)
+        alone = rejection_sample(toks, None, target_probs, torch.zeros(2, dtype=torch.int64), u)
+        assert torch.equal(alone.tokens[:, 0], inverse_cdf(target_probs[:, 0], u[:, 0]))
+        assert torch.equal(alone.tokens[:, 1:], torch.full((2, k), -1))
+        assert torch.equal(alone.num_accepted, torch.zeros(2, dtype=torch.int64))
+        mixed = rejection_sample(toks, None, target_probs, torch.tensor([0, 2]), u)
         assert int(mixed.tokens[0, 0]) == int(alone.tokens[0, 0]) and int(mixed.num_accepted[0]) == 0
+
+
+def test_sampled_drafts_need_accept_uniforms():
+    draft_probs = torch.full((1, 2, V), 1.0 / V, dtype=torch.float64)
+    target_probs = torch.full((1, 3, V), 1.0 / V, dtype=torch.float64)
+    with pytest.raises(ValueError, match="accept_uniforms"):
+        rejection_sample(torch.tensor([[1, 2]]), draft_probs, target_probs, torch.tensor([2]), rand(1, 3))
+
+
+def test_position_uniforms_depend_only_on_key_stream_and_position():
+    whole = position_uniforms([7, 8], [0, 0], 10, TOKEN_STREAM)  # [2, 10]
+    assert whole.dtype == torch.float64 and whole.shape == (2, 10)
+    assert ((whole >= 0) & (whole < 1)).all()
+    assert torch.equal(
+        position_uniforms([8, 7], [4, 2], 3, TOKEN_STREAM), torch.stack([whole[1, 4:7], whole[0, 2:5]])
+    )
+    assert torch.equal(whole, position_uniforms([7, 8], [0, 0], 10, TOKEN_STREAM))
+    other = position_uniforms([7, 8], [0, 0], 10, ACCEPT_STREAM)
+    assert not torch.isclose(whole, other).any()
+    assert not torch.isclose(whole[0], whole[1]).any()  # neighbouring seeds: unrelated streams
+
+
+def test_position_uniforms_look_uniform_and_independent():
+    """Seeds 0..999 at positions 0..199 (how a batch of seeded requests uses them): each of 20 bins
+    holds its share, and neighbouring positions and neighbouring seeds are uncorrelated."""
+    u = position_uniforms(list(range(1000)), [0] * 1000, 200, TOKEN_STREAM).numpy()  # [1000, 200]
+    n = u.size
+    counts = torch.histc(torch.from_numpy(u).float(), bins=20, min=0.0, max=1.0)
+    chi2 = float(((counts - n / 20) ** 2 / (n / 20)).sum())
+    assert chi2 < 60.0  # 19 degrees of freedom: p < 1e-5 beyond 50
+    z = u - 0.5
+    for a, b in ((z[:, 1:], z[:, :-1]), (z[1:], z[:-1])):
+        corr = float((a * b).mean() / (z * z).mean())
+        assert abs(corr) < 5 / math.sqrt(a.size)
 
 
 def test_greedy_verify_equals_rejection_sample_on_one_hot():
@@ -154,7 +209,7 @@ def test_greedy_verify_equals_rejection_sample_on_one_hot():
         num_draft = torch.randint(0, k + 1, (3,), generator=g)
         one_hot = torch.zeros_like(logits).scatter_(-1, best[..., None], 1.0)
         draft_one_hot = torch.zeros(3, k, V, dtype=torch.float64).scatter_(-1, draft[..., None], 1.0)
-        a = rejection_sample(draft, draft_one_hot, one_hot, num_draft, [None] * 3)
+        a = rejection_sample(draft, draft_one_hot, one_hot, num_draft, rand(3, k + 1), rand(3, k, seed=1))
         b = greedy_verify(draft, logits, num_draft)
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.num_accepted, b.num_accepted)
 

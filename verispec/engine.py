@@ -25,7 +25,15 @@ from verispec.costs import StepCosts, best_draft_length, best_tree, costs_for, f
 from verispec.detokenize import IncrementalDecoder
 from verispec.models.base import KVModel
 from verispec.proposers import Proposal, Proposer
-from verispec.rejection import greedy_accept, greedy_tokens, greedy_verify_tree, rejection_sample
+from verispec.rejection import (
+    ACCEPT_STREAM,
+    TOKEN_STREAM,
+    greedy_accept,
+    greedy_tokens,
+    greedy_verify_tree,
+    position_uniforms,
+    rejection_sample,
+)
 from verispec.sampling import SamplingTensors, SeededGenerator, logits_to_probs
 from verispec.stats import GenerationStats
 
@@ -234,7 +242,11 @@ class Engine:
             if draft_probs is not None:
                 draft_probs = draft_probs.to(target_probs.dtype)
             limits = torch.tensor(drafted, dtype=torch.int64)
-            verdict = rejection_sample(draft_tokens, draft_probs, target_probs, limits, gens)
+            keys = [g.initial_seed() for g in gens]
+            starts = [s.num_output for s in seqs]  # the output position of each row's first token
+            token_u = position_uniforms(keys, starts, width + 1, TOKEN_STREAM)  # [B, width + 1]
+            accept_u = None if draft_probs is None else position_uniforms(keys, starts, width, ACCEPT_STREAM)
+            verdict = rejection_sample(draft_tokens, draft_probs, target_probs, limits, token_u, accept_u)
             accepted = verdict.num_accepted.tolist()
             emitted = [tokens[: a + 1] for tokens, a in zip(verdict.tokens.tolist(), accepted)]
         no_alternatives = [0] * len(seqs)
@@ -477,10 +489,12 @@ class Engine:
         tokens (it gave distributions); its sampling rows are then cut by a stopping rule, without
         looking ahead (:func:`~verispec.costs.best_draft_length`).
 
-        A sampled request with a seed is cut by the fixed cost curve instead (``fixed_ratios``):
-        measured times differ from run to run, and a different draft length consumes its random
-        numbers differently, so only a cut that does not depend on the clock lets the seed
-        reproduce the response.
+        A seeded sampled request whose drafter drew its tokens (``sampled``) is cut by the fixed cost
+        curve instead (``fixed_ratios``): measured times differ from run to run, and such a draft's
+        length decides which tokens it offers and how they are tested, so only a cut that does not
+        depend on the clock lets the seed reproduce the response. A point-mass draft needs no such
+        care: whatever its length, every emitted token is the target's own draw from its position's
+        uniform (:mod:`verispec.rejection`), so the seed gives the plain response.
         """
         out = list(num_draft)
         widest = max(out, default=0)
@@ -489,7 +503,7 @@ class Engine:
         curves: dict[bool, list[float]] = {}  # built once per step, and only the ones a row needs
         for row, (seq, n) in enumerate(zip(seqs, num_draft)):
             if n:
-                fixed = seq.config.seed is not None and not seq.config.sampling.greedy
+                fixed = sampled and seq.config.seed is not None and not seq.config.sampling.greedy
                 if fixed not in curves:
                     width = widest + 1
                     curves[fixed] = fixed_ratios(width) if fixed else self.costs.ratios(width, batch, context)

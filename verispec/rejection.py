@@ -9,6 +9,22 @@ Draft token ``i`` is accepted with probability ``min(1, target_probs[i] / draft_
 every emitted token distributed exactly as the target's (transformed) distribution. A drafter that
 gives no probabilities (n-gram lookup) is a point mass: ``draft_probs[i] = 1`` at its token.
 Greedy rows arrive as one-hot distributions, for which the rule is exact argmax matching.
+
+**Randomness by position.** Each uniform belongs to one position of a request's output, drawn from
+a counter-based stream keyed by the request's seed (:func:`position_uniforms`), not taken in turn
+from a generator. At a point-mass position the rule is carried out with the position's token
+uniform ``u``: the target's own token there, ``y = inverse_cdf(target_probs[i], u)``, is computed,
+the draft token is accepted when it equals ``y``, and otherwise ``y`` is the recovered token. That
+is the same rule, not an approximation: ``P(y = draft) = target_probs[i][draft] = min(1,
+target_probs[i][draft] / 1)``, and ``y`` given ``y != draft`` follows ``target_probs[i]`` without
+the draft token, renormalised, which is the residual ``max(0, target_probs[i] - draft_probs[i])``
+of a point mass. So every emitted token is ``inverse_cdf(target_probs at its position, its uniform)``,
+exactly what plain sampled decoding emits with the same seed: with a point-mass drafter (prompt
+lookup, the n-gram table) a seeded response is token for token the plain response, whatever was
+drafted, however many tokens a step verified and whichever requests shared the batch. A drafter that
+samples its tokens from ``draft_probs`` keeps the classic form, with a second uniform per position
+(``accept_uniforms``) for the acceptance test; its responses follow the target's law but not the plain
+response's tokens.
 """
 
 from __future__ import annotations
@@ -44,12 +60,50 @@ def uniforms(generators: Sequence[torch.Generator | None], count: int) -> torch.
     return torch.stack([torch.rand(count, generator=g, dtype=torch.float64) for g in generators])
 
 
+_MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment
+TOKEN_STREAM = 0
+"""The stream of the uniform each output position's token is drawn with."""
+ACCEPT_STREAM = 1
+"""The stream of the acceptance test of a draft token that was sampled from ``draft_probs``."""
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64's output function, a bijection of 64-bit integers."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_uniforms(keys: Sequence[int], starts: Sequence[int], count: int, stream: int) -> torch.Tensor:
+    """``[B, count]`` float64 uniforms in [0, 1): row b's are those of its output positions
+    ``starts[b] .. starts[b] + count - 1`` in ``stream``, for the request keyed ``keys[b]`` (its seed).
+
+    A value depends only on (key, stream, position), never on how many were drawn before or beside
+    it: SplitMix64 (Steele, Lea and Flood, 2014) started at a state hashed from the key and the
+    stream, its output number ``position``. 53 random bits per value (float64's grid, as
+    :func:`uniforms`). On Python ints: a step needs a few values per row (7 us for one row of 5,
+    against 20 us through numpy's fixed costs).
+    """
+    rows = []
+    for key, start in zip(keys, starts):
+        state = _mix64((int(key) ^ (stream * 0xD1B54A32D192ED03)) & _MASK64)
+        rows.append(
+            [
+                (_mix64((state + pos * _GAMMA) & _MASK64) >> 11) * 2.0**-53
+                for pos in range(start + 1, start + count + 1)
+            ]
+        )
+    return torch.tensor(rows, dtype=torch.float64).view(len(rows), count)
+
+
 def rejection_sample(
     draft_tokens: torch.Tensor,
     draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
     num_draft: torch.Tensor,
-    generators: Sequence[torch.Generator | None],
+    token_uniforms: torch.Tensor,
+    accept_uniforms: torch.Tensor | None = None,
 ) -> Verdict:
     """Accept or reject each row's draft tokens and sample the one token that follows.
 
@@ -59,58 +113,88 @@ def rejection_sample(
             shared sampling transform; None for point-mass drafters.
         target_probs: ``[B, k + 1, V]`` target distributions at each draft position and the one after.
         num_draft: ``[B]`` int64, how many of the k slots hold real drafts in each row (0 = none).
-        generators: one per row.
+        token_uniforms: ``[B, k + 1]`` float64, each position's uniform for the token emitted there
+            (:data:`TOKEN_STREAM`).
+        accept_uniforms: ``[B, k]`` float64, each position's uniform for testing a draft token drawn
+            from ``draft_probs`` (:data:`ACCEPT_STREAM`); needed only with ``draft_probs``.
 
     Returns:
-        A :class:`Verdict`.
+        A :class:`Verdict`. Where a position's draft distribution is a point mass (``draft_probs``
+        None, or 1 at the draft token), the token emitted there is the target's own draw from the
+        position's token uniform (module docstring).
     """
     batch, k = draft_tokens.shape
     dtype = target_probs.dtype
-    rand = uniforms(generators, k + 1).to(target_probs.device)  # [B, k + 1] float64
+    device = draft_tokens.device
+    rand = token_uniforms.to(target_probs.device)  # [B, k + 1] float64
+    tokens = torch.full((batch, k + 1), -1, dtype=torch.int64, device=device)
     if not bool((num_draft > 0).any()):
-        # Nothing drafted (plain sampled decoding): what the steps below give then, the target's own
-        # token from the same uniform, without their gathers (123 -> 59 us a step, V = 49152, one row).
-        tokens = torch.full((batch, k + 1), -1, dtype=torch.int64, device=draft_tokens.device)
-        tokens[:, 0] = inverse_cdf(target_probs[:, 0], rand[:, k]).to(tokens.device)
-        return Verdict(tokens=tokens, num_accepted=torch.zeros(batch, dtype=torch.int64, device=rand.device))
-    positions = torch.arange(k, device=target_probs.device)
-    valid = positions[None, :] < num_draft[:, None]  # [B, k]
+        # Nothing drafted (plain sampled decoding): the target's own token from the first uniform.
+        tokens[:, 0] = inverse_cdf(target_probs[:, 0], rand[:, 0]).to(device)
+        return Verdict(tokens=tokens, num_accepted=torch.zeros(batch, dtype=torch.int64, device=device))
     safe_tokens = draft_tokens.clamp_min(0)
-
-    target_at_draft = target_probs[:, :k].gather(-1, safe_tokens[..., None])[..., 0]  # [B, k]
-    if draft_probs is None:
-        draft_at_draft = torch.ones_like(target_at_draft)
-    else:
+    point = [[True] * k for _ in range(batch)]  # [B][k]
+    drawn: list[list[bool]] = point  # [B][k]: the acceptance test of a sampled draft token
+    if draft_probs is not None:
         draft_at_draft = draft_probs.gather(-1, safe_tokens[..., None])[..., 0]  # [B, k]
-    # u < p_t / p_d, written without division; strict so that p_t == 0 never accepts.
-    accept = (rand[:, :k] * draft_at_draft < target_at_draft) & valid
-    num_accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]
+        point = (draft_at_draft == 1.0).tolist()
+        if not all(all(row[:n]) for row, n in zip(point, num_draft.tolist())):
+            if accept_uniforms is None:
+                raise ValueError("drafts sampled from draft_probs need accept_uniforms")
+            target_at_draft = target_probs[:, :k].gather(-1, safe_tokens[..., None])[..., 0]  # [B, k]
+            # u < p_target / p_draft, written without division; strict so that 0 never accepts.
+            drawn = (accept_uniforms.to(target_probs.device) * draft_at_draft < target_at_draft).tolist()
 
-    # Distribution of the final token: residual after a rejection, the target itself after k accepts.
-    gather_at = num_accepted.view(batch, 1, 1).expand(-1, 1, target_probs.shape[-1])
-    final = target_probs.gather(1, gather_at)[:, 0]  # [B, V]
-    rejected = num_accepted < num_draft  # [B]
-    if bool(rejected.any()):
-        if draft_probs is None:
-            at_draft = torch.zeros_like(final)
-            rej_tok = safe_tokens.gather(1, num_accepted.clamp(max=k - 1)[:, None])  # [B, 1]
-            at_draft.scatter_(-1, rej_tok, 1.0)
-        else:
-            at_draft = draft_probs.gather(
-                1, num_accepted.clamp(max=k - 1).view(batch, 1, 1).expand_as(gather_at)
-            )[:, 0]
-        residual = (final - at_draft).clamp_min(0)
-        mass = residual.sum(dim=-1, keepdim=True)
-        # A rejection is impossible when the residual has no mass; keep the target then (guards 0/0).
-        residual = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(dtype).tiny), final)
-        final = torch.where(rejected[:, None], residual, final)
-    last = inverse_cdf(final, rand[:, k])  # [B]
-
-    tokens = torch.full((batch, k + 1), -1, dtype=torch.int64, device=draft_tokens.device)
-    keep = positions[None, :] < num_accepted[:, None]
+    # Each row walks its drafts until one is rejected or none is left, all rows a position at a
+    # time: the target's own tokens that the walks reach at a position (at point masses, and the
+    # bonus) are drawn in one call, and nowhere else.
+    drafts, limits = safe_tokens.tolist(), num_draft.tolist()
+    accepted, last = [0] * batch, [-1] * batch
+    walking = list(range(batch))
+    for i in range(k + 1):
+        if not walking:
+            break
+        drawing = [b for b in walking if i == limits[b] or point[b][i]]
+        own = dict(zip(drawing, _draw_at(target_probs, rand, drawing, i)))
+        still, rejected = [], []
+        for b in walking:
+            if i < limits[b] and (own[b] == drafts[b][i] if point[b][i] else drawn[b][i]):
+                still.append(b)
+                continue
+            accepted[b] = i
+            if b in own:
+                last[b] = own[b]  # the bonus, or the target's token where a point mass missed
+            else:
+                rejected.append(b)
+        if rejected:  # rejected sampled draft tokens: the recovered tokens from the normalised residual
+            assert draft_probs is not None
+            at = torch.tensor(rejected)
+            final = target_probs[at, i]  # [R, V]
+            residual = (final - draft_probs[at, i]).clamp_min(0)
+            mass = residual.sum(dim=-1, keepdim=True)
+            # A rejection is impossible when the residual has no mass; keep the target (guards 0/0).
+            residual = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(dtype).tiny), final)
+            for b, token in zip(rejected, inverse_cdf(residual, rand[at, i]).tolist()):
+                last[b] = token
+        walking = still
+    num_accepted = torch.tensor(accepted, dtype=torch.int64, device=device)  # [B]
+    keep = torch.arange(k, device=device)[None, :] < num_accepted[:, None]  # [B, k]
     tokens[:, :k] = torch.where(keep, draft_tokens, tokens[:, :k])
-    tokens.scatter_(1, num_accepted[:, None], last[:, None])
+    tokens.scatter_(1, num_accepted[:, None], torch.tensor(last, device=device)[:, None])
     return Verdict(tokens=tokens, num_accepted=num_accepted)
+
+
+def _draw_at(target_probs: torch.Tensor, rand: torch.Tensor, rows: list[int], i: int) -> list[int]:
+    """The target's own tokens at position ``i`` of ``rows``: :func:`inverse_cdf` of
+    ``target_probs[rows, i]`` (``[B, k + 1, V]``) with ``rand[rows, i]`` (``[B, k + 1]``). One row
+    is a view, not a copy of its vocabulary."""
+    if not rows:
+        return []
+    if len(rows) == 1:
+        b = rows[0]
+        return inverse_cdf(target_probs[b, i : i + 1], rand[b, i : i + 1]).tolist()
+    at = torch.tensor(rows)
+    return inverse_cdf(target_probs[at, i], rand[at, i]).tolist()
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

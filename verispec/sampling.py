@@ -17,8 +17,11 @@ from verispec.config import SamplingConfig
 
 class SeededGenerator(torch.Generator):
     """The generator of a request that gave a seed (the engine makes one per request, seeded or
-    not). A drafter whose choices would otherwise follow measured times prices such a sampled row
-    by fixed figures instead, so that the seed reproduces the response (:func:`is_seeded`)."""
+    not; its seed also keys the request's uniforms by output position,
+    :func:`verispec.rejection.position_uniforms`). A drafter that samples its tokens, and whose
+    choices would otherwise follow measured times, prices such a sampled row by fixed figures
+    instead, so that the seed reproduces the response (:func:`is_seeded`). Point-mass drafts need
+    no such care: they never change which token a position emits."""
 
 
 def is_seeded(generator: torch.Generator | None) -> bool:

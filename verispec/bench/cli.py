@@ -413,6 +413,7 @@ def run(args: argparse.Namespace) -> int:
         greedy=sampling.greedy,
         reference=MethodConfig("autoregressive", dtype=dtypes[0]),
         predict=predict,
+        seeded=args.seed is not None,
     )
     if sampling.greedy:  # what any prompt lookup could reach on these requests (verispec.bench.ceiling)
         add_copy_ceilings(rows, configs, categories, encoded, results, costs)

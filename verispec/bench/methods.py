@@ -28,6 +28,8 @@ SPECULATIVE = (
     "hf-assisted",
     "llama.cpp-prompt-lookup",
 )
+COPYING = ("prompt-lookup", "lookup+ngrams")
+"""Our methods whose drafts are point masses: with a seed, their sampled output is the plain one."""
 BASELINE = {
     "autoregressive": "autoregressive",
     "draft-model": "autoregressive",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from verispec.bench.methods import OURS, SPECULATIVE
+from verispec.bench.methods import COPYING, OURS, SPECULATIVE
 from verispec.bench.runner import ALL, INTERVAL_LEVEL, ratio_interval
 from verispec.models.schedule import EVERY_PROMPT
 
@@ -353,7 +353,9 @@ def goal_checks(results: dict) -> list[dict]:
             gaps[worst] >= 0.95,
         )
     spec = [r for r in rows if r["method"] in SPECULATIVE and r["category"] == ALL]
-    if spec and all(r["outputs_match_baseline"] is not None for r in spec):
+    config = results.get("config", {})
+    greedy = not config.get("temperature")
+    if greedy and spec and all(r["outputs_match_baseline"] is not None for r in spec):
         peers = [r["label"] for r in spec if r["method"] not in OURS and not r["outputs_match_baseline"]]
         if peers:
             add(
@@ -364,6 +366,14 @@ def goal_checks(results: dict) -> list[dict]:
         bad = [r["label"] for r in spec if r["method"] in OURS and not r["outputs_match_baseline"]]
         add(
             "every speculative method of ours: greedy output identical to plain greedy output",
+            "all identical" if not bad else "differ: " + ", ".join(bad),
+            not bad,
+        )
+    copying = [r for r in spec if r["method"] in COPYING and r["outputs_match_baseline"] is not None]
+    if copying and not greedy and config.get("seed") is not None:
+        bad = [r["label"] for r in copying if not r["outputs_match_baseline"]]
+        add(
+            "seeded sampling: our copying methods' output identical to plain sampled output",
             "all identical" if not bad else "differ: " + ", ".join(bad),
             not bad,
         )

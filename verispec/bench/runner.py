@@ -20,7 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from verispec.bench.measure import conditional_acceptance, draft_fraction
-from verispec.bench.methods import SPECULATIVE, MethodConfig, Runner, RunResult, Sampling
+from verispec.bench.methods import COPYING, SPECULATIVE, MethodConfig, Runner, RunResult, Sampling
 from verispec.stats import GenerationStats
 
 ALL = "all"
@@ -155,6 +155,7 @@ def aggregate(
     greedy: bool,
     reference: MethodConfig,
     predict: Callable[[MethodConfig, GenerationStats], float | None],
+    seeded: bool = False,
 ) -> list[dict]:
     """One row per (config, category) and per config over all prompts (category ``"all"``).
 
@@ -163,7 +164,8 @@ def aggregate(
     for a cell of one prompt); ``relative_to_autoregressive`` is over ``reference`` (our plain
     decoding). With greedy decoding, ``outputs_match_baseline`` says whether every prompt's tokens
     equal the baseline's (for plain decoding of other engines and weight formats: equal
-    ``reference``'s); None when sampling.
+    ``reference``'s). When sampling with a seed (``seeded``) it does so for our copying methods
+    (:data:`~verispec.bench.methods.COPYING`), whose seeded output is the plain one; else None.
     """
     rows = []
     cats = [*dict.fromkeys(categories), ALL]
@@ -221,7 +223,7 @@ def aggregate(
                 row["mean_accepted_length"] = 1.0 if stats else None
                 row["acceptance_by_position"] = None
                 row["predicted_speedup"] = None
-            if greedy and base_cfg in results:
+            if (greedy or (seeded and cfg.method in COPYING)) and base_cfg in results:
                 matching = sum(results[cfg][i].token_ids == results[base_cfg][i].token_ids for i in idx)
                 row["outputs_match_baseline"] = matching == len(idx)
                 row["prompts_matching_baseline"] = matching
