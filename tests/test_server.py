@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -516,3 +517,48 @@ def test_greedy_completion_equals_verispec_generate_raw(default_server: Server) 
     c = openai.OpenAI(base_url=f"{default_server.url}/v1", api_key="none", max_retries=0, timeout=300)
     resp = c.completions.create(model="default", prompt=prompt, max_tokens=32, temperature=0)
     assert resp.choices[0].text == cli["text"]
+
+
+@pytest.fixture(scope="module")
+def lookup_server() -> Iterator[Server]:
+    srv = Server(
+        ["--model", "default", "--prompt-lookup", "--num-speculative-tokens", "4", "--max-num-seqs", "4",
+         "--max-model-len", "1024"],
+        startup_s=600,
+    )  # fmt: skip
+    try:
+        yield srv
+    finally:
+        srv.close()
+
+
+@pytest.mark.slow
+def test_seeded_sampled_lookup_answers_equal_plain_ones_under_load(lookup_server: Server) -> None:
+    """Prompt lookup's drafts are point masses, so a seeded sampled answer is the one the same
+    request gets with speculation off, streamed or not, while other requests share the batch."""
+    c = openai.OpenAI(base_url=f"{lookup_server.url}/v1", api_key="none", max_retries=0, timeout=300)
+    prompt = (
+        "Copy this list exactly, one item per line: red apple, green pear, yellow banana, purple plum, "
+        "red apple, green pear, yellow banana, purple plum."
+    )
+    kw = dict(model="default", messages=[{"role": "user", "content": prompt}], max_tokens=48, temperature=0.7,
+              top_p=0.9, seed=21)  # fmt: skip
+    off = c.chat.completions.create(**kw, extra_body={"speculative": {"enabled": False}})
+    assert off.model_extra["speculative"]["draft_tokens"] == 0
+
+    def others(i: int) -> None:
+        c.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": f"Tell me a fact about the number {i}."}],
+            max_tokens=40, temperature=1.0, seed=i,
+        )  # fmt: skip
+
+    with ThreadPoolExecutor(4) as pool:
+        busy = [pool.submit(others, i) for i in range(3)]
+        on = pool.submit(lambda: c.chat.completions.create(**kw)).result()
+        for f in busy:
+            f.result()
+    streamed = "".join(
+        ch.choices[0].delta.content or "" for ch in c.chat.completions.create(**kw, stream=True) if ch.choices
+    )
+    assert on.model_extra["speculative"]["accepted_tokens"] > 0
+    assert on.choices[0].message.content == off.choices[0].message.content == streamed
