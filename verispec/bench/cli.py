@@ -413,7 +413,8 @@ def run(args: argparse.Namespace) -> int:
         greedy=sampling.greedy,
         reference=MethodConfig("autoregressive", dtype=dtypes[0]),
         predict=predict,
-        seeded=args.seed is not None,
+        # Seeded copies equal plain only where a token's logits do not depend on the call's width.
+        seeded=args.seed is not None and all(getattr(t, "uses_kernel", False) for t in targets.values()),
     )
     if sampling.greedy:  # what any prompt lookup could reach on these requests (verispec.bench.ceiling)
         add_copy_ceilings(rows, configs, categories, encoded, results, costs)
