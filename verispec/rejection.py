@@ -21,10 +21,11 @@ the draft token, renormalised, which is the residual ``max(0, target_probs[i] - 
 of a point mass. So every emitted token is ``inverse_cdf(target_probs at its position, its uniform)``,
 exactly what plain sampled decoding emits with the same seed: with a point-mass drafter (prompt
 lookup, the n-gram table) a seeded response is token for token the plain response, whatever was
-drafted, however many tokens a step verified and whichever requests shared the batch. A drafter that
-samples its tokens from ``draft_probs`` keeps the classic form, with a second uniform per position
-(``accept_uniforms``) for the acceptance test; its responses follow the target's law but not the plain
-response's tokens.
+drafted, however many tokens a step verified and whichever requests shared the batch, given a
+target whose logits for a token do not depend on how many tokens its forward holds (the kernel's).
+A drafter that samples its tokens from ``draft_probs`` keeps the classic form, with a second uniform
+per position (``accept_uniforms``) for the acceptance test; its responses follow the target's law
+but not the plain response's tokens.
 """
 
 from __future__ import annotations
