@@ -189,7 +189,12 @@ def broken_rejection_sample(
 
 
 def test_broken_residual_is_detected(monkeypatch):
-    monkeypatch.setattr(verispec.engine, "rejection_sample", broken_rejection_sample)
+    def broken_from_logits(draft_tokens, draft_probs, target_logits, params, *rest):
+        return broken_rejection_sample(
+            draft_tokens, draft_probs, logits_to_probs(target_logits, params), *rest
+        )
+
+    monkeypatch.setattr(verispec.engine, "rejection_sample_logits", broken_from_logits)
     law = exact_law(TARGET, 0, temperature=1.0, top_k=None, top_p=None)
     counts = empirical_law(1.0, None, None)
     assert max_z(counts, law) > SIGMAS

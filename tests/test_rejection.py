@@ -225,3 +225,41 @@ def test_argmax_last_is_torch_argmax_with_ties_and_nan() -> None:
     for t in (x, x.double(), x[:, 1:4], x.transpose(0, 1)):
         got = argmax_last(t)
         assert got.dtype == torch.int64 and torch.equal(got, t.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_logits_walk_equals_the_verdict_on_the_whole_transform(dtype):
+    """``rejection_sample_logits`` transforms a row's logits at a position only when the walk gets
+    there; its verdict is ``rejection_sample``'s on the whole transform, token for token, with greedy,
+    top-k and top-p rows in one batch and both kinds of draft."""
+    from verispec.config import SamplingConfig
+    from verispec.rejection import rejection_sample_logits
+    from verispec.sampling import SamplingTensors, logits_to_probs
+
+    g = torch.Generator().manual_seed(0)
+    configs = [
+        SamplingConfig(temperature=0.0),
+        SamplingConfig(temperature=0.8, top_k=3),
+        SamplingConfig(temperature=1.0, top_p=0.7),
+        SamplingConfig(temperature=0.5),
+    ]
+    params = SamplingTensors.from_configs(configs)
+    batch = len(configs)
+    for trial in range(100):
+        k = int(torch.randint(0, 5, (1,), generator=g))
+        logits = (2 * torch.randn(batch, k + 1, V, generator=g, dtype=torch.float64)).to(dtype)
+        target_probs = logits_to_probs(logits, params)
+        own = inverse_cdf(target_probs.reshape(-1, V), rand(batch, k + 1, seed=trial).reshape(-1)).view(
+            batch, k + 1
+        )
+        guesses = torch.randint(0, V, (batch, k), generator=g)
+        drafts = torch.where(torch.rand(batch, k, generator=g) < 0.6, own[:, :k], guesses)
+        num_draft = torch.randint(0, k + 1, (batch,), generator=g)
+        sampled = torch.softmax(torch.randn(batch, k, V, generator=g, dtype=torch.float64), dim=-1)
+        for draft_probs in (None, sampled):
+            args = (num_draft, rand(batch, k + 1, seed=trial), rand(batch, k, seed=trial + 1000))
+            whole = rejection_sample(drafts, draft_probs, target_probs, *args)
+            walked = rejection_sample_logits(drafts, draft_probs, logits, params, *args)
+            assert torch.equal(whole.tokens, walked.tokens) and torch.equal(
+                whole.num_accepted, walked.num_accepted
+            )

@@ -3,7 +3,7 @@
 Each step, for every active sequence: the proposer drafts up to k tokens (a drafter that estimates
 each token's chance of acceptance has its draft cut to the length worth the target's measured cost of
 verifying it, see :mod:`verispec.costs`); the target scores the pending token and the drafts in one
-forward pass (``[B, k + 1]``); :func:`~verispec.rejection.rejection_sample`
+forward pass (``[B, k + 1]``); :func:`~verispec.rejection.rejection_sample_logits`
 decides what is emitted; both caches are rolled back to the committed tokens. With k = 0 (or a drafter
 that finds nothing) a step is one plain autoregressive step of the same engine, which is the baseline
 every speedup is measured against.
@@ -32,9 +32,9 @@ from verispec.rejection import (
     greedy_tokens,
     greedy_verify_tree,
     position_uniforms,
-    rejection_sample,
+    rejection_sample_logits,
 )
-from verispec.sampling import SamplingTensors, SeededGenerator, logits_to_probs
+from verispec.sampling import SamplingTensors, SeededGenerator
 from verispec.stats import GenerationStats
 
 
@@ -238,15 +238,15 @@ class Engine:
             logits = self.target.forward(inputs, rows=slots, logits="all")  # [B, width + 1, V]
             if draft_tokens is None:
                 draft_tokens = torch.zeros(len(seqs), 0, dtype=torch.int64)
-            target_probs = logits_to_probs(logits, params)
-            if draft_probs is not None:
-                draft_probs = draft_probs.to(target_probs.dtype)
             limits = torch.tensor(drafted, dtype=torch.int64)
             keys = [g.initial_seed() for g in gens]
             starts = [s.num_output for s in seqs]  # the output position of each row's first token
             token_u = position_uniforms(keys, starts, width + 1, TOKEN_STREAM)  # [B, width + 1]
             accept_u = None if draft_probs is None else position_uniforms(keys, starts, width, ACCEPT_STREAM)
-            verdict = rejection_sample(draft_tokens, draft_probs, target_probs, limits, token_u, accept_u)
+            # The target's distributions (logits_to_probs) only at the positions the verdict reaches.
+            verdict = rejection_sample_logits(
+                draft_tokens, draft_probs, logits, params, limits, token_u, accept_u
+            )
             accepted = verdict.num_accepted.tolist()
             emitted = [tokens[: a + 1] for tokens, a in zip(verdict.tokens.tolist(), accepted)]
         no_alternatives = [0] * len(seqs)

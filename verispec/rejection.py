@@ -30,13 +30,13 @@ but not the plain response's tokens.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from verispec.sampling import sampling_kernel
+from verispec.sampling import SamplingTensors, logits_to_probs, sampling_kernel
 
 
 @dataclass(frozen=True)
@@ -124,78 +124,120 @@ def rejection_sample(
         None, or 1 at the draft token), the token emitted there is the target's own draw from the
         position's token uniform (module docstring).
     """
+
+    def at(rows: list[int], i: int) -> torch.Tensor:  # [R, V]
+        if len(rows) == 1:
+            return target_probs[rows[0], i : i + 1]  # a view, not a copy of the vocabulary
+        return target_probs[torch.tensor(rows), i]
+
+    return _walk(draft_tokens, draft_probs, at, num_draft, token_uniforms, accept_uniforms)
+
+
+def rejection_sample_logits(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_logits: torch.Tensor,
+    params: SamplingTensors,
+    num_draft: torch.Tensor,
+    token_uniforms: torch.Tensor,
+    accept_uniforms: torch.Tensor | None = None,
+) -> Verdict:
+    """:func:`rejection_sample` of ``logits_to_probs(target_logits, params)`` (``target_logits``
+    ``[B, k + 1, V]``, ``params`` the B rows' settings), with each row's distribution at a position
+    made only when the walk gets there: a step whose first draft token is rejected transforms one
+    position of the row, not k + 1 (the transform is a row's own arithmetic, so the verdict is the
+    same token for token)."""
+    batch = target_logits.shape[0]
+
+    def at(rows: list[int], i: int) -> torch.Tensor:  # [R, V]
+        if rows == list(range(batch)):
+            return logits_to_probs(target_logits[:, i], params)
+        if len(rows) == 1:
+            return logits_to_probs(target_logits[rows[0], i : i + 1], params.select(rows))
+        return logits_to_probs(target_logits[torch.tensor(rows), i], params.select(rows))
+
+    return _walk(draft_tokens, draft_probs, at, num_draft, token_uniforms, accept_uniforms)
+
+
+def _walk(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_at: Callable[[list[int], int], torch.Tensor],
+    num_draft: torch.Tensor,
+    token_uniforms: torch.Tensor,
+    accept_uniforms: torch.Tensor | None,
+) -> Verdict:
+    """The verdict, with ``target_at(rows, i)`` the target's distributions ``[R, V]`` of ``rows`` at
+    position ``i``. Each row walks its drafts until one is rejected or none is left, all rows a
+    position at a time: the distributions the walks reach at a position are asked for in one call,
+    and the target's own tokens there (at point masses, and the bonus) drawn in one more."""
     batch, k = draft_tokens.shape
-    dtype = target_probs.dtype
     device = draft_tokens.device
-    rand = token_uniforms.to(target_probs.device)  # [B, k + 1] float64
-    tokens = torch.full((batch, k + 1), -1, dtype=torch.int64, device=device)
-    if not bool((num_draft > 0).any()):
-        # Nothing drafted (plain sampled decoding): the target's own token from the first uniform.
-        tokens[:, 0] = inverse_cdf(target_probs[:, 0], rand[:, 0]).to(device)
-        return Verdict(tokens=tokens, num_accepted=torch.zeros(batch, dtype=torch.int64, device=device))
+    rand = token_uniforms.tolist()  # [B][k + 1]
     safe_tokens = draft_tokens.clamp_min(0)
+    drafts, limits = safe_tokens.tolist(), num_draft.tolist()
     point = [[True] * k for _ in range(batch)]  # [B][k]
-    drawn: list[list[bool]] = point  # [B][k]: the acceptance test of a sampled draft token
-    if draft_probs is not None:
-        draft_at_draft = draft_probs.gather(-1, safe_tokens[..., None])[..., 0]  # [B, k]
-        point = (draft_at_draft == 1.0).tolist()
-        if not all(all(row[:n]) for row, n in zip(point, num_draft.tolist())):
+    draft_at_draft: list[list[float]] = []  # [B][k]
+    tested: list[list[float]] = []  # [B][k]: uniforms of the acceptance tests
+    if draft_probs is not None and k:
+        at_draft = draft_probs.gather(-1, safe_tokens[..., None])[..., 0]  # [B, k]
+        point = (at_draft == 1.0).tolist()
+        if not all(all(row[:n]) for row, n in zip(point, limits)):
             if accept_uniforms is None:
                 raise ValueError("drafts sampled from draft_probs need accept_uniforms")
-            target_at_draft = target_probs[:, :k].gather(-1, safe_tokens[..., None])[..., 0]  # [B, k]
-            # u < p_target / p_draft, written without division; strict so that 0 never accepts.
-            drawn = (accept_uniforms.to(target_probs.device) * draft_at_draft < target_at_draft).tolist()
+            draft_at_draft, tested = at_draft.tolist(), accept_uniforms.tolist()
 
-    # Each row walks its drafts until one is rejected or none is left, all rows a position at a
-    # time: the target's own tokens that the walks reach at a position (at point masses, and the
-    # bonus) are drawn in one call, and nowhere else.
-    drafts, limits = safe_tokens.tolist(), num_draft.tolist()
     accepted, last = [0] * batch, [-1] * batch
     walking = list(range(batch))
     for i in range(k + 1):
         if not walking:
             break
-        drawing = [b for b in walking if i == limits[b] or point[b][i]]
-        own = dict(zip(drawing, _draw_at(target_probs, rand, drawing, i)))
+        probs = target_at(walking, i)  # [R, V], row r of walking[r]
+        drawing = [r for r, b in enumerate(walking) if i == limits[b] or point[b][i]]
+        own: dict[int, int] = {}
+        if drawing:
+            picked = probs[drawing[0] : drawing[0] + 1] if len(drawing) == 1 else probs[torch.tensor(drawing)]
+            u = torch.tensor([rand[walking[r]][i] for r in drawing], dtype=torch.float64)
+            own = dict(zip((walking[r] for r in drawing), inverse_cdf(picked, u).tolist()))
+        sampled = [r for r, b in enumerate(walking) if i < limits[b] and not point[b][i]]
+        target_at_draft = {}
+        if sampled:
+            index = torch.tensor(sampled)
+            chosen = torch.tensor([drafts[walking[r]][i] for r in sampled])
+            target_at_draft = dict(zip(sampled, probs[index, chosen].tolist()))
         still, rejected = [], []
-        for b in walking:
-            if i < limits[b] and (own[b] == drafts[b][i] if point[b][i] else drawn[b][i]):
-                still.append(b)
-                continue
+        for r, b in enumerate(walking):
+            if i < limits[b]:
+                if point[b][i]:
+                    ok = own[b] == drafts[b][i]
+                else:  # u < p_target / p_draft, written without division; strict so that 0 never accepts
+                    ok = tested[b][i] * draft_at_draft[b][i] < target_at_draft[r]
+                if ok:
+                    still.append(b)
+                    continue
             accepted[b] = i
             if b in own:
                 last[b] = own[b]  # the bonus, or the target's token where a point mass missed
             else:
-                rejected.append(b)
+                rejected.append(r)
         if rejected:  # rejected sampled draft tokens: the recovered tokens from the normalised residual
             assert draft_probs is not None
-            at = torch.tensor(rejected)
-            final = target_probs[at, i]  # [R, V]
-            residual = (final - draft_probs[at, i]).clamp_min(0)
+            rows = [walking[r] for r in rejected]
+            final = probs[torch.tensor(rejected)]  # [R, V]
+            residual = (final - draft_probs[torch.tensor(rows), i].to(final.dtype)).clamp_min(0)
             mass = residual.sum(dim=-1, keepdim=True)
             # A rejection is impossible when the residual has no mass; keep the target (guards 0/0).
-            residual = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(dtype).tiny), final)
-            for b, token in zip(rejected, inverse_cdf(residual, rand[at, i]).tolist()):
+            residual = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(final.dtype).tiny), final)
+            u = torch.tensor([rand[b][i] for b in rows], dtype=torch.float64)
+            for b, token in zip(rows, inverse_cdf(residual, u).tolist()):
                 last[b] = token
         walking = still
+    tokens = torch.full((batch, k + 1), -1, dtype=torch.int64, device=device)
     num_accepted = torch.tensor(accepted, dtype=torch.int64, device=device)  # [B]
     keep = torch.arange(k, device=device)[None, :] < num_accepted[:, None]  # [B, k]
     tokens[:, :k] = torch.where(keep, draft_tokens, tokens[:, :k])
     tokens.scatter_(1, num_accepted[:, None], torch.tensor(last, device=device)[:, None])
     return Verdict(tokens=tokens, num_accepted=num_accepted)
-
-
-def _draw_at(target_probs: torch.Tensor, rand: torch.Tensor, rows: list[int], i: int) -> list[int]:
-    """The target's own tokens at position ``i`` of ``rows``: :func:`inverse_cdf` of
-    ``target_probs[rows, i]`` (``[B, k + 1, V]``) with ``rand[rows, i]`` (``[B, k + 1]``). One row
-    is a view, not a copy of its vocabulary."""
-    if not rows:
-        return []
-    if len(rows) == 1:
-        b = rows[0]
-        return inverse_cdf(target_probs[b, i : i + 1], rand[b, i : i + 1]).tolist()
-    at = torch.tensor(rows)
-    return inverse_cdf(target_probs[at, i], rand[at, i]).tolist()
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
