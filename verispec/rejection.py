@@ -126,9 +126,7 @@ def rejection_sample(
     """
 
     def at(rows: list[int], i: int) -> torch.Tensor:  # [R, V]
-        if len(rows) == 1:
-            return target_probs[rows[0], i : i + 1]  # a view, not a copy of the vocabulary
-        return target_probs[torch.tensor(rows), i]
+        return _take(target_probs[:, i], rows)
 
     return _walk(draft_tokens, draft_probs, at, num_draft, token_uniforms, accept_uniforms)
 
@@ -147,16 +145,21 @@ def rejection_sample_logits(
     made only when the walk gets there: a step whose first draft token is rejected transforms one
     position of the row, not k + 1 (the transform is a row's own arithmetic, so the verdict is the
     same token for token)."""
-    batch = target_logits.shape[0]
+    every = list(range(target_logits.shape[0]))
 
     def at(rows: list[int], i: int) -> torch.Tensor:  # [R, V]
-        if rows == list(range(batch)):
+        if rows == every:
             return logits_to_probs(target_logits[:, i], params)
-        if len(rows) == 1:
-            return logits_to_probs(target_logits[rows[0], i : i + 1], params.select(rows))
-        return logits_to_probs(target_logits[torch.tensor(rows), i], params.select(rows))
+        return logits_to_probs(_take(target_logits[:, i], rows), params.select(rows))
 
     return _walk(draft_tokens, draft_probs, at, num_draft, token_uniforms, accept_uniforms)
+
+
+def _take(values: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``values[rows]`` (``[B, V]`` -> ``[R, V]``); one row as a view, not a copy of its vocabulary."""
+    if len(rows) == 1:
+        return values[rows[0] : rows[0] + 1]
+    return values[torch.tensor(rows)]
 
 
 def _walk(
@@ -194,24 +197,24 @@ def _walk(
             break
         probs = target_at(walking, i)  # [R, V], row r of walking[r]
         drawing = [r for r, b in enumerate(walking) if i == limits[b] or point[b][i]]
+        # Per row b of the walk: the target's own token here, or its probability of b's sampled draft.
         own: dict[int, int] = {}
         if drawing:
-            picked = probs[drawing[0] : drawing[0] + 1] if len(drawing) == 1 else probs[torch.tensor(drawing)]
             u = torch.tensor([rand[walking[r]][i] for r in drawing], dtype=torch.float64)
-            own = dict(zip((walking[r] for r in drawing), inverse_cdf(picked, u).tolist()))
+            own = dict(zip((walking[r] for r in drawing), inverse_cdf(_take(probs, drawing), u).tolist()))
         sampled = [r for r, b in enumerate(walking) if i < limits[b] and not point[b][i]]
-        target_at_draft = {}
+        target_at_draft: dict[int, float] = {}
         if sampled:
-            index = torch.tensor(sampled)
             chosen = torch.tensor([drafts[walking[r]][i] for r in sampled])
-            target_at_draft = dict(zip(sampled, probs[index, chosen].tolist()))
+            found = probs[torch.tensor(sampled), chosen].tolist()
+            target_at_draft = dict(zip((walking[r] for r in sampled), found))
         still, rejected = [], []
         for r, b in enumerate(walking):
             if i < limits[b]:
                 if point[b][i]:
                     ok = own[b] == drafts[b][i]
                 else:  # u < p_target / p_draft, written without division; strict so that 0 never accepts
-                    ok = tested[b][i] * draft_at_draft[b][i] < target_at_draft[r]
+                    ok = tested[b][i] * draft_at_draft[b][i] < target_at_draft[b]
                 if ok:
                     still.append(b)
                     continue
