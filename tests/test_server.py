@@ -77,6 +77,12 @@ class Server:
                 total += float(line.rsplit(" ", 1)[1])
         return total
 
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         self.proc.terminate()
         try:
@@ -89,7 +95,7 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tiny_model_folder: Path) -> Iterator[Server]:
     folder = str(tiny_model_folder)
-    srv = Server(
+    with Server(
         [
             "--model",
             folder,
@@ -108,11 +114,8 @@ def server(tiny_model_folder: Path) -> Iterator[Server]:
             "--max-request-bytes",
             str(BODY_LIMIT),
         ]
-    )
-    try:
+    ) as srv:
         yield srv
-    finally:
-        srv.close()
 
 
 @pytest.fixture(scope="module")
@@ -479,11 +482,8 @@ def default_server() -> Iterator[Server]:
         "--max-model-len",
         "1024",
     ]
-    srv = Server(args, startup_s=600)
-    try:
+    with Server(args, startup_s=600) as srv:
         yield srv
-    finally:
-        srv.close()
 
 
 @pytest.mark.slow
@@ -521,15 +521,12 @@ def test_greedy_completion_equals_verispec_generate_raw(default_server: Server) 
 
 @pytest.fixture(scope="module")
 def lookup_server() -> Iterator[Server]:
-    srv = Server(
+    with Server(
         ["--model", "default", "--prompt-lookup", "--num-speculative-tokens", "4", "--max-num-seqs", "4",
          "--max-model-len", "1024"],
         startup_s=600,
-    )  # fmt: skip
-    try:
+    ) as srv:  # fmt: skip
         yield srv
-    finally:
-        srv.close()
 
 
 @pytest.mark.slow
