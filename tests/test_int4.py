@@ -22,6 +22,8 @@ from verispec.models.fast_llama import FastLlama
 KERNEL = fast_llama._load_kernel()
 VNNI = KERNEL is not None and bool(KERNEL.vnni_tiles_ready())
 requires_vnni = pytest.mark.skipif(not VNNI, reason="int4 needs the kernel with AVX-512 VNNI")
+BF16 = VNNI and fast_llama.bf16_attention_ok(64)
+requires_bf16 = pytest.mark.skipif(not BF16, reason="bfloat16 attention needs the kernel with AVX-512 BF16")
 VOCAB = 320
 
 
@@ -49,10 +51,11 @@ def _as_q8_0(w: torch.Tensor) -> torch.Tensor:
     return (d[..., None] * q + 0.0).reshape(n, k)  # + 0.0: integer codes dequantise 0 to +0.0
 
 
-def _q4_llama(seed: int = 3, tied: bool = True) -> LlamaForCausalLM:
+def _q4_llama(seed: int = 3, tied: bool = True, hidden: int = 64) -> LlamaForCausalLM:
     """A tiny float32 Llama made as a Q4_1 GGUF is: layer matrices of exact Q4_1 blocks (rows in
-    16s, columns in 32s), the embedding and output head of exact Q8_0 blocks (one tensor if tied)."""
-    hf = tiny_llama(VOCAB, seed=seed, hidden=64, dtype=torch.float32)
+    16s, columns in 32s), the embedding and output head of exact Q8_0 blocks (one tensor if tied).
+    Its 4 heads have head dimension ``hidden / 4`` (64 at 256: w4a8's bfloat16 attention)."""
+    hf = tiny_llama(VOCAB, seed=seed, hidden=hidden, dtype=torch.float32)
     with torch.no_grad():
         for blk in hf.model.layers:
             for proj in (*(getattr(blk.self_attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")),
@@ -67,13 +70,21 @@ def _q4_llama(seed: int = 3, tied: bool = True) -> LlamaForCausalLM:
 
 @requires_vnni
 @pytest.mark.parametrize("dtype", ["int4", "w4a8"])
-def test_int4_logits_do_not_depend_on_how_many_tokens_share_a_call(dtype: str) -> None:
+@pytest.mark.parametrize("hidden, cache", [(64, ""), (256, ""), (256, "bfloat16")])
+def test_int4_logits_do_not_depend_on_how_many_tokens_share_a_call(
+    dtype: str, hidden: int, cache: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A prompt whole, in kernel pieces, and one token at a time; decoding steps of 1, 5 and 9
-    tokens (and a row alone against two rows): every logit bitwise the same."""
-    hf = _q4_llama()
+    tokens (and a row alone against two rows): every logit bitwise the same. Head dimension 16 and
+    64 (the grouped attention), and 64 over a bfloat16 cache (`attention_bf16`)."""
+    if cache == "bfloat16" and not BF16:
+        pytest.skip("bfloat16 attention needs the kernel with AVX-512 BF16")
+    monkeypatch.setenv("VERISPEC_KV_CACHE", cache)
+    hf = _q4_llama(hidden=hidden)
     ids = torch.randint(0, VOCAB, (2, 90), generator=torch.Generator().manual_seed(1))
     fast = FastLlama.from_hf(hf, dtype=dtype, max_batch_size=2)
     assert fast.uses_kernel and fast.dtype == dtype
+    assert fast.kv_dtype == (torch.bfloat16 if cache else torch.float16)
     whole = fast.forward(ids)
     fast.reset(2)
     fast.kernel_prefill_piece = 32
@@ -167,6 +178,78 @@ def test_w4a8_rounds_only_the_activations() -> None:
     assert errors["int4"] * 5 < errors["w4a8"] < 2 * errors["int8"]
     w4a8 = FastLlama.from_hf(hf, dtype="w4a8")
     assert w4a8._w["layers"][0]["wgu"] is None and w4a8._w["head_q8i"] is not None
+
+
+@requires_bf16
+@pytest.mark.parametrize("dtype", ["int4", "w4a8"])
+def test_bfloat16_attention_stays_close_and_moves_tree_nodes(
+    dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``VERISPEC_KV_CACHE=bfloat16`` int4 and w4a8 attend in bfloat16 products: their logits
+    stay closer to float32's than int8's (int4's move further than over the float16 cache: about
+    0.3% of the largest logit against 0.02%; w4a8's stay near 0.8-1%); a tree call scores each node as at
+    its chain position, bitwise, and keeping an alternative moves its key and value through the
+    cache's layouts (`move_positions`) so that decoding goes on as if it had been fed in a chain."""
+    hf = _q4_llama(seed=5, hidden=256)
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, VOCAB, (1, 100), generator=gen)
+    ref = FastLlama.from_hf(hf, dtype="float32", use_kernel=True).forward(ids)
+    monkeypatch.setenv("VERISPEC_KV_CACHE", "float16")
+    err16 = float((FastLlama.from_hf(hf, dtype=dtype).forward(ids) - ref).abs().max())
+    err8 = float((FastLlama.from_hf(hf, dtype="int8", use_kernel=True).forward(ids) - ref).abs().max())
+    monkeypatch.setenv("VERISPEC_KV_CACHE", "bfloat16")
+    fast = FastLlama.from_hf(hf, dtype=dtype, max_batch_size=2)
+    assert fast.kv_dtype == torch.bfloat16
+    fast.reset(1)
+    err = float((fast.forward(ids) - ref).abs().max())
+    assert fast.k_cache[0].dtype == torch.bfloat16 and fast.k_cache[0].shape[2] % 32 == 0
+    assert err < err8 and (dtype == "w4a8" or err16 < err)
+
+    n = 45  # an odd length: the chain's pairs of positions straddle a pair and a block of keys
+    prompt = torch.randint(0, VOCAB, (2, n), generator=gen)
+    chain = torch.randint(0, VOCAB, (2, 4), generator=gen)  # pending token then 3 drafts
+    alt = torch.randint(0, VOCAB, (2, 2), generator=gen)  # alternatives at chain offsets 1 and 2
+    after = torch.randint(0, VOCAB, (2, 3), generator=gen)
+
+    def chain_logits(seq: torch.Tensor) -> torch.Tensor:  # one token at a time, as plain decoding
+        fast.reset(2)
+        fast.forward(prompt, logits="none")
+        return torch.cat([fast.forward(seq[:, t : t + 1]) for t in range(seq.shape[1])], dim=1)
+
+    tree = torch.cat([chain, alt], dim=1)  # [2, 6]
+    offsets = torch.tensor([[0, 1, 2, 3, 1, 2]] * 2)
+    fast.reset(2)
+    fast.forward(prompt, logits="none")
+    got = fast.forward(tree, offsets=offsets)
+    assert torch.equal(got[:, :4], chain_logits(chain))
+    assert torch.equal(got[:, 5], chain_logits(torch.cat([chain[:, :2], alt[:, 1:]], dim=1))[:, 2])
+    kept = torch.cat([chain[:1, :2], alt[:1, 1:]], dim=1)
+    rows = [torch.cat([kept, after[:1]], dim=1), torch.cat([chain[1:], after[1:, :2]], dim=1)]
+    want = chain_logits(torch.cat(rows))
+    fast.reset(2)
+    fast.forward(prompt, logits="none")
+    fast.forward(tree, offsets=offsets)
+    fast.keep_path(0, n, [0, 1, 5])
+    fast.truncate(torch.tensor([n + 3, n + 4]))
+    assert torch.equal(fast.forward(after[:1], rows=[0]), want[:1, 3:])
+    assert torch.equal(fast.forward(after[1:, :2], rows=[1]), want[1:, 4:])
+
+
+def test_bfloat16_cache_only_for_int4_and_w4a8(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``VERISPEC_KV_CACHE=bfloat16`` is for int4 and w4a8 on a kernel with AVX-512 BF16 and head
+    dimension 64: other formats keep their own cache (a run of several formats can set it once),
+    int4 and w4a8 where it cannot run get a clear error, and an unknown value names the choices."""
+    monkeypatch.setenv("VERISPEC_KV_CACHE", "bfloat16")
+    assert fast_llama._kv_dtype("int8", True) == torch.float16
+    assert fast_llama._kv_dtype("float32", True) == torch.float32
+    assert fast_llama._kv_dtype("bfloat16", False) == torch.float32
+    with pytest.raises(ValueError, match="needs the kernel built with AVX-512 BF16 and head dimension 64"):
+        fast_llama._kv_dtype("w4a8", True, head_dim=32)
+    if BF16:
+        assert fast_llama._kv_dtype("int4", True) == torch.bfloat16
+    monkeypatch.setenv("VERISPEC_KV_CACHE", "half")
+    with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+        fast_llama._kv_dtype("w4a8", True)
 
 
 @requires_vnni

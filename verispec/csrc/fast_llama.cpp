@@ -1049,6 +1049,15 @@ void linear_amx(const float* x, int64_t M, int64_t ldx, const i8* wt, int64_t N,
 }
 #endif
 
+// Whether this build has the bfloat16 attention (`FastLlamaKernel::attention_bf16`): AVX-512 BF16.
+bool bf16_attention_ready() {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 // Whether this build multiplies int8 weights held as tiles (`amx_pack`'s layout) with AVX-512 VNNI
 // (`linear_vnni_tiles`): CPUs without AMX but with VNNI (AMD's Zen 4 and Zen 5, Intel's Ice Lake).
 bool vnni_tiles_ready() {
@@ -2433,6 +2442,75 @@ inline void linear_block_tiles(bool q8, bool a8, const float* x, int64_t M, int6
 // (AVX-512 below, AVX2 after it); other head dimensions go one query at a time.
 constexpr int64_t kGroupedHeadDim = 64;
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// A bfloat16 cache (int4 and w4a8 with VERISPEC_KV_CACHE=bfloat16: `FastLlamaKernel::attention_bf16`)
+// holds one head's S positions (S a multiple of 32) of head dimension kGroupedHeadDim in the layouts
+// `vdpbf16ps` reads whole:
+//   keys [S / 16][D / 2][16][2]: per block of 16 keys and per pair of values (2p, 2p + 1), the
+//     16 keys' pairs side by side, so that one register holds one pair of 16 keys;
+//   values [S / 2][D][2]: per pair of positions (2i, 2i + 1), each value's two side by side, so that
+//     one register holds 16 values of two positions.
+inline int64_t bf16_key_at(int64_t j, int64_t d) {
+  return (j / 16) * 16 * kGroupedHeadDim + (d / 2) * 32 + (j % 16) * 2 + (d % 2);
+}
+inline int64_t bf16_value_at(int64_t j, int64_t d) { return (j / 2) * 2 * kGroupedHeadDim + d * 2 + (j % 2); }
+
+// The 32 values at x as 16 pairs of bfloat16 (rounded to nearest even by `vcvtne2ps2bf16`).
+inline __m512i bf16_pairs(const float* x) {
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x)));
+}
+
+// Scores of QN queries (qp[x]: its 32 pairs of bfloat16) against the 16 keys of block `blk`:
+// out[x][0 .. 16). Lane i of each sum is key i's chain of 32 `vdpbf16ps` steps, pair by pair in
+// order, however many queries share the block.
+template <int QN>
+inline void bf16_block_scores(const uint32_t* const* qp, const bf16* blk, float* const* out) {
+  __m512 a[QN];
+#pragma GCC unroll 16
+  for (int x = 0; x < QN; ++x) a[x] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int p = 0; p < kGroupedHeadDim / 2; ++p) {
+    const __m512bh k = reinterpret_cast<__m512bh>(_mm512_loadu_si512(blk + 32 * p));
+#pragma GCC unroll 16
+    for (int x = 0; x < QN; ++x) {
+      const __m512bh q = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(qp[x][p])));
+      a[x] = _mm512_dpbf16_ps(a[x], k, q);
+    }
+  }
+#pragma GCC unroll 16
+  for (int x = 0; x < QN; ++x) _mm512_storeu_ps(out[x], a[x]);
+}
+
+// Weighted sums of QN queries over the value pairs i0 .. i1 - 1 (pp[x][i]: query x's weights of
+// positions 2i and 2i + 1 as a pair of bfloat16): out[x][0 .. 64) continues, each element one
+// chain of `vdpbf16ps` steps over the pairs in order, however many queries share the pairs.
+template <int QN>
+inline void bf16_weighted(const uint32_t* const* pp, const bf16* v, int64_t i0, int64_t i1,
+                          float* const* out) {
+  __m512 a[QN][4];
+#pragma GCC unroll 6
+  for (int x = 0; x < QN; ++x)
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) a[x][r] = _mm512_loadu_ps(out[x] + 16 * r);
+  for (int64_t i = i0; i < i1; ++i) {
+    const bf16* pair = v + i * 2 * kGroupedHeadDim;
+    __m512bh r[4];
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) r[k] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(pair + 32 * k));
+#pragma GCC unroll 6
+    for (int x = 0; x < QN; ++x) {
+      const __m512bh w = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pp[x][i])));
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) a[x][k] = _mm512_dpbf16_ps(a[x][k], r[k], w);
+    }
+  }
+#pragma GCC unroll 6
+  for (int x = 0; x < QN; ++x)
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) _mm512_storeu_ps(out[x] + 16 * k, a[x][k]);
+}
+#endif
+
 #if defined(__AVX512F__)
 // Attention of several queries at once in 512-bit registers, for head dimension kGroupedHeadDim,
 // every output bitwise the same as the 256-bit code's above, only faster where queries share a
@@ -3723,13 +3801,17 @@ class FastLlamaKernel {
     TORCH_CHECK(k.size() == layers_.size() && v.size() == layers_.size(), "one cache per layer");
     for (size_t l = 0; l < k.size(); ++l) {
       for (const auto* t : {&k[l], &v[l]}) {
-        TORCH_CHECK((t->scalar_type() == at::kFloat || t->scalar_type() == at::kHalf) &&
+        TORCH_CHECK((t->scalar_type() == at::kFloat || t->scalar_type() == at::kHalf ||
+                     t->scalar_type() == at::kBFloat16) &&
                         t->scalar_type() == k[0].scalar_type() && t->is_contiguous() &&
                         t->dim() == 4 && t->size(1) == Hkv_ && t->size(3) == D_ &&
                         t->sizes() == k[0].sizes(),
-                    "cache must be contiguous float32 or float16 [B, H_kv, S, D], one dtype");
+                    "cache must be contiguous float32, float16 or bfloat16 [B, H_kv, S, D], one dtype");
       }
     }
+    kv_bf16_ = !k.empty() && k[0].scalar_type() == at::kBFloat16;
+    TORCH_CHECK(!kv_bf16_ || (bf16_attention_ready() && D_ == kGroupedHeadDim && k[0].size(2) % 32 == 0),
+                "a bfloat16 cache needs a build with AVX-512 BF16, head dimension 64 and S a multiple of 32");
     kv_half_ = !k.empty() && k[0].scalar_type() == at::kHalf;
     kc_ = std::move(k);
     vc_ = std::move(v);
@@ -3833,6 +3915,20 @@ class FastLlamaKernel {
     const int64_t* d = dst.data_ptr<int64_t>();
     for (int64_t i = 0; i < src.numel(); ++i)
       TORCH_CHECK(s[i] >= 0 && s[i] < S && d[i] >= 0 && d[i] < S, "position out of range");
+    if (kv_bf16_) {  // element by element through the layouts
+      for (size_t l = 0; l < kc_.size(); ++l)
+        for (int64_t g = 0; g < Hkv_; ++g) {
+          bf16* kh = static_cast<bf16*>(kc_[l].data_ptr()) + (slot * Hkv_ + g) * S * D;
+          bf16* vh = static_cast<bf16*>(vc_[l].data_ptr()) + (slot * Hkv_ + g) * S * D;
+          for (int64_t i = 0; i < src.numel(); ++i)
+            if (s[i] != d[i])
+              for (int64_t e = 0; e < D; ++e) {
+                kh[bf16_key_at(d[i], e)] = kh[bf16_key_at(s[i], e)];
+                vh[bf16_value_at(d[i], e)] = vh[bf16_value_at(s[i], e)];
+              }
+        }
+      return;
+    }
     const int64_t row = D * kc_[0].element_size();  // bytes of one position of one head
     for (size_t l = 0; l < kc_.size(); ++l) {
       for (char* base : {static_cast<char*>(kc_[l].data_ptr()), static_cast<char*>(vc_[l].data_ptr())}) {
@@ -4229,7 +4325,24 @@ class FastLlamaKernel {
         const int64_t off = ((sl[m] * Hkv_ + g) * S + ps[m]) * D;
         const float* k = row + (Hq_ + g) * D;
         const float* v = row + (Hq_ + Hkv_ + g) * D;
-        if (kv_half_) {  // rounded to nearest even, as torch's float16 conversion
+        if (kv_bf16_) {  // rounded to nearest even, as torch's bfloat16 conversion, into the layouts
+          bf16* kh = static_cast<bf16*>(kc_[l].data_ptr()) + (sl[m] * Hkv_ + g) * S * D;
+          bf16* vh = static_cast<bf16*>(vc_[l].data_ptr()) + (sl[m] * Hkv_ + g) * S * D;
+          alignas(32) bf16 kr[kGroupedHeadDim], vr[kGroupedHeadDim];
+          for (int64_t d = 0; d < D; d += 8) {
+            store8(kr + d, _mm256_loadu_ps(k + d));
+            store8(vr + d, _mm256_loadu_ps(v + d));
+          }
+          const int64_t j = ps[m];
+          uint32_t* kp = reinterpret_cast<uint32_t*>(kh + bf16_key_at(j, 0));  // pair 0 of key j
+          uint32_t pair;
+          for (int64_t d = 0; d < D; d += 2) {  // pair d / 2 of the key: 16 pairs (32 values) apart
+            std::memcpy(&pair, kr + d, sizeof pair);
+            kp[d / 2 * 16] = pair;
+          }
+          bf16* vp = vh + bf16_value_at(j, 0);
+          for (int64_t d = 0; d < D; ++d) vp[2 * d] = vr[d];
+        } else if (kv_half_) {  // rounded to nearest even, as torch's float16 conversion
           f16* kc = static_cast<f16*>(kc_[l].data_ptr()) + off;
           f16* vc = static_cast<f16*>(vc_[l].data_ptr()) + off;
           int64_t d = 0;
@@ -4303,6 +4416,9 @@ class FastLlamaKernel {
   // chain over the keys in order and the token's own value last: the same operations whichever
   // queries share its item (plan_attention) and however the keys are blocked.
   void attention(size_t l, int64_t M, const int64_t* ps) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    if (kv_bf16_) return attention_bf16(l, ps);
+#endif
     if (kv_half_) attention_t<f16>(l, M, ps);
     else attention_t<float>(l, M, ps);
   }
@@ -4324,6 +4440,109 @@ class FastLlamaKernel {
       _mm_prefetch(v + o, _MM_HINT_T1);
     }
   }
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  // Attention over a bfloat16 cache (int4, w4a8; opt-in), in `vdpbf16ps` steps: each query rounded
+  // to bfloat16 pairs, each score a chain over the 32 pairs of its key (`bf16_block_scores`, 16 keys
+  // a register, no widening and no horizontal sums), the softmax in float32 as `attention_t`'s, the
+  // weights rounded to bfloat16 pairs of positions, then each output element a chain over the pairs
+  // of positions 0 .. ctx - 1 in order (the pair holding position ctx, where ctx is odd, weighted 0
+  // there) and last the token's own value (its pair weighted 0 at the other position). A query's
+  // operations depend only on its own vector, the cached keys and values and its ctx and position,
+  // not on which queries share its item. Half the multiply instructions of the float32 chains, which
+  // bound a verification's attention: SmolLM2-135M w4a8 on the 2-core Zen 4, a float16 cache against
+  // this one (step_phases.py, us per step in attention at 200 cached tokens): 1 token 332 -> 236, 5
+  // tokens 718 -> 453; whole steps at 800 cached tokens (min ms) 4.16 -> 3.78 and 6.32 -> 5.14.
+  void attention_bf16(size_t l, const int64_t* ps) {
+    constexpr int64_t D = kGroupedHeadDim, QS = 8, QW = 6;  // queries per pass: scores, weighted sums
+    const int64_t QKV = (Hq_ + 2 * Hkv_) * D, S = kc_[l].size(2);
+    const bf16* kc = static_cast<const bf16*>(kc_[l].data_ptr());
+    const bf16* vc = static_cast<const bf16*>(vc_[l].data_ptr());
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+    at::parallel_for(0, static_cast<int64_t>(items_.size()), 1, [&](int64_t i0, int64_t i1) {
+      thread_local std::vector<float> pbuf;
+      thread_local std::vector<uint32_t> qbuf, wbuf, obuf;  // queries, weights, own weights: bfloat16 pairs
+      for (int64_t i = i0; i < i1; ++i) {
+        const AttnItem& it = items_[i];
+        const int64_t n = it.end - it.begin;
+        const int64_t* qs = queries_.data() + it.begin;
+        const bf16* K = kc + (it.slot * Hkv_ + it.g) * S * D;
+        const bf16* V = vc + (it.slot * Hkv_ + it.g) * S * D;
+        int64_t cmax = 0;
+        for (int64_t a = 0; a < n; ++a) cmax = std::max(cmax, ctx_[qs[a] / Hq_]);
+        const int64_t P = (cmax + 16) / 16 * 16 + 32;  // scores of keys 0 .. cmax, padded for the pairs
+        pbuf.resize(n * P);
+        qbuf.resize(n * D / 2);
+        wbuf.resize(n * P / 2);
+        obuf.resize(n);
+        auto ctx = [&](int64_t a) { return ctx_[qs[a] / Hq_]; };
+        for (int64_t a = 0; a < n; ++a) {
+          const float* q = qkv_.data() + (qs[a] / Hq_) * QKV + (qs[a] % Hq_) * D;
+          for (int64_t h = 0; h < D; h += 32)
+            _mm512_storeu_si512(qbuf.data() + a * D / 2 + h / 2, bf16_pairs(q + h));
+        }
+        // Scores: QS queries at a time over the blocks of 16 keys any of them attends to.
+        for (int64_t a = 0; a < n; a += QS) {
+          const int64_t take = std::min<int64_t>(QS, n - a);
+          int64_t c = 0;
+          for (int64_t x = 0; x < take; ++x) c = std::max(c, ctx(a + x));
+          const uint32_t* qp[QS];
+          float* o[QS];
+          for (int64_t x = 0; x < take; ++x) qp[x] = qbuf.data() + (a + x) * D / 2;
+          for (int64_t j = 0; j < c; j += 16) {
+            const bf16* blk = K + j * D;
+            for (int64_t b = 0; b < 16 * D && j + 16 < c; b += 32)  // the next block, as this one is scored
+              _mm_prefetch(reinterpret_cast<const char*>(blk + 16 * D + b), _MM_HINT_T0);
+            for (int64_t x = 0; x < take; ++x) o[x] = pbuf.data() + (a + x) * P + j;
+            with_rows<QS>(take, [&](auto QN) { bf16_block_scores<QN>(qp, blk, o); });
+          }
+        }
+        for (int64_t a = 0; a < n; ++a) {
+          const int64_t m = qs[a] / Hq_, c = ctx(a), own = ps[m];
+          float* p = pbuf.data() + a * P;
+          alignas(64) float lanes[16];
+          const uint32_t* qp[1] = {qbuf.data() + a * D / 2};
+          float* o[1] = {lanes};
+          bf16_block_scores<1>(qp, K + own / 16 * 16 * D, o);  // the token's own key: its lane's chain
+          p[c] = lanes[own % 16];
+          const float inv = 1.0f / softmax_numerators(p, c + 1, scale);
+          for (int64_t j = 0; j < c; ++j) p[j] *= inv;
+          const float w_own = p[c] * inv;
+          std::fill_n(p + c, 32, 0.0f);
+          uint32_t* w = wbuf.data() + a * P / 2;
+          for (int64_t j = 0; j < c + 1; j += 32) _mm512_storeu_si512(w + j / 2, bf16_pairs(p + j));
+          alignas(64) float pair[32] = {};
+          pair[own % 2] = w_own;
+          alignas(64) uint32_t own_pair[16];
+          _mm512_store_si512(own_pair, bf16_pairs(pair));
+          obuf[a] = own_pair[0];
+          std::fill_n(att_.data() + qs[a] * D, D, 0.0f);
+        }
+        // Weighted sums: QW queries at a time over the pairs all of them attend to whole, each
+        // query's last pairs alone, then its own value.
+        for (int64_t a = 0; a < n; a += QW) {
+          const int64_t take = std::min<int64_t>(QW, n - a);
+          int64_t common = ctx(a);
+          for (int64_t x = 1; x < take; ++x) common = std::min(common, ctx(a + x));
+          common /= 2;  // pairs every query of the pass weighs whole
+          const uint32_t* pp[QW];
+          float* o[QW];
+          for (int64_t x = 0; x < take; ++x) {
+            pp[x] = wbuf.data() + (a + x) * P / 2;
+            o[x] = att_.data() + qs[a + x] * D;
+          }
+          with_rows<QW>(take, [&](auto QN) { bf16_weighted<QN>(pp, V, 0, common, o); });
+          for (int64_t x = 0; x < take; ++x) {
+            const int64_t c = ctx(a + x), own = ps[qs[a + x] / Hq_];
+            bf16_weighted<1>(pp + x, V, common, (c + 1) / 2, o + x);
+            const uint32_t* op[1] = {obuf.data() + a + x};
+            bf16_weighted<1>(op, V + own / 2 * 2 * D, 0, 1, o + x);
+          }
+        }
+      }
+    });
+  }
+#endif
 
   template <typename KT>
   void attention_t(size_t l, int64_t M, const int64_t* ps) {
@@ -4405,6 +4624,7 @@ class FastLlamaKernel {
   bool vnni_tiles_ = false;
   int64_t amx_rows_ = 1;  // calls of at least this many rows read the tiles (AMX or VNNI)
   bool kv_half_ = false;  // the caches hold float16, not float32
+  bool kv_bf16_ = false;  // the caches hold bfloat16 in `attention_bf16`'s layouts (`bf16_key_at`)
   int64_t q4_rows_ = kBlockMostRows;  // calls of up to this many tokens read 4-bit blocks (`set_q4`)
   bool act8_ = false;                 // block matrices (`add_layer_q4`, `set_q8i`) take 8-bit activations
   int64_t head_q8_rows_ = kBlockMostRows;  // whole-head logits of up to this many rows read 8-bit blocks
@@ -4477,6 +4697,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("amx") = false, pybind11::arg("vnni_tiles") = false);
   m.def("amx_ready", &amx_ready);
   m.def("vnni_tiles_ready", &vnni_tiles_ready);
+  m.def("bf16_attention_ready", &bf16_attention_ready);
   m.def("linear_rows", &linear_rows_op, pybind11::arg("x"), pybind11::arg("w"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("q4_pack", &q4_pack_op, pybind11::arg("q"), pybind11::arg("dm"));

@@ -199,6 +199,8 @@ def kernel_flags() -> list[str]:
         flags += ["-mavx512vnni", "-mavx512vl", "-mavx512bw"]
     if capability == "AVX512":
         flags += ["-mavx512f"]  # float32 products in 512-bit tiles
+        if _cpu_has("avx512_bf16"):
+            flags += ["-mavx512bf16"]  # w4a8's attention in `vdpbf16ps` steps (`_kv_dtype`)
     if _cpu_has("amx_tile", "amx_int8"):
         flags += list(AMX_FLAGS)  # int8 products on AMX tiles (`set_amx`)
     return flags
@@ -847,9 +849,10 @@ class FastLlama:
         (:func:`verispec.models.schedule.apply_amx`: prompts, not decoding steps; outputs the same)."""
         if use_kernel:
             self._kernel = self._build_kernel()
-        self.kv_dtype: torch.dtype = _kv_dtype(dtype, self._kernel is not None)
-        """Dtype of the KV cache (:func:`_kv_dtype`): float16 for the int8 and bfloat16 formats on
-        the kernel, float32 otherwise."""
+        self.kv_dtype: torch.dtype = _kv_dtype(dtype, self._kernel is not None, self._head_dim)
+        """Dtype of the KV cache (:func:`_kv_dtype`): float16 for the int8, bfloat16, int4 and w4a8
+        formats on the kernel (bfloat16 for int4 and w4a8 with ``VERISPEC_KV_CACHE=bfloat16``),
+        float32 otherwise."""
         self.prefill_compute: torch.dtype | None = (
             torch.bfloat16 if dtype != "float32" and _native_bfloat16(self.device) else None
         )
@@ -1084,7 +1087,9 @@ class FastLlama:
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
         if batch_size > self._capacity:
-            shape = (batch_size, self._n_kv, self.max_length, self._head_dim)
+            # A bfloat16 cache's layouts (the kernel's `bf16_key_at`) come in blocks of 32 positions.
+            positions = -(-self.max_length // 32) * 32 if self.kv_dtype == torch.bfloat16 else self.max_length
+            shape = (batch_size, self._n_kv, positions, self._head_dim)
             # Zeros, not empty: the torch path reads (masked) positions past a row's length, and
             # uninitialised NaNs would leak through softmax weights of exactly 0.
             self.k_cache = [
@@ -1490,20 +1495,46 @@ class FastLlama:
         return out.cpu()  # sampling and acceptance run on the CPU (a no-op there)
 
 
-def _kv_dtype(dtype: str, kernel: bool) -> torch.dtype:
+def bf16_attention_ok(head_dim: int) -> bool:
+    """Whether the kernel can hold a bfloat16 cache and attend over it (``attention_bf16``): a build
+    with AVX-512 BF16 and head dimension 64."""
+    kernel = _load_kernel()
+    ready = getattr(kernel, "bf16_attention_ready", None)  # None: no kernel, or a build before it
+    return head_dim == 64 and ready is not None and bool(ready())
+
+
+def _kv_dtype(dtype: str, kernel: bool, head_dim: int = 64) -> torch.dtype:
     """The KV cache's dtype for weight format ``dtype``: float16 for "bfloat16", "int8", "int4" and
-    "w4a8" on the kernel, float32 otherwise; ``VERISPEC_KV_CACHE=float32`` or ``float16`` overrides.
+    "w4a8" on the kernel, float32 otherwise; ``VERISPEC_KV_CACHE=float32``, ``float16`` or
+    ``bfloat16`` overrides.
 
     Decoding reads every cached key and value once per step: SmolLM2-135M at 1500 cached tokens
     reads 69 MB of float32 keys and values against 135 MB of int8 weights. float16 halves that,
     as llama.cpp's default cache does; keys and values widen exactly to float32 before any
     arithmetic. float32 weights keep a float32 cache (exact w.r.t. HF).
+
+    ``bfloat16`` (int4 and w4a8 on a kernel with AVX-512 BF16, head dimension 64:
+    :func:`bf16_attention_ok`; other formats keep their own cache) attends in bfloat16 products with
+    float32 sums (the kernel's
+    ``attention_bf16``), at twice float32's rate of multiply-adds, which bound a verification's
+    attention. Queries, keys, values and the softmax's weights are rounded to bfloat16, so it costs
+    accuracy: on SmolLM2-135M w4a8's top-1 agreement with float32 falls from 97.1% to 96.1% (int8's
+    level); int4's argmax moves at 0.25% of positions. It is not the default.
     """
     choice = os.environ.get("VERISPEC_KV_CACHE", "")
     if choice:
-        if choice not in ("float32", "float16"):
-            raise ValueError(f"VERISPEC_KV_CACHE must be float32 or float16, not {choice!r}")
-        return torch.float16 if choice == "float16" else torch.float32
+        if choice not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"VERISPEC_KV_CACHE must be float32, float16 or bfloat16, not {choice!r}")
+        if choice == "bfloat16":
+            if kernel and dtype in KERNEL_ONLY_DTYPES:
+                if not bf16_attention_ok(head_dim):
+                    raise ValueError(
+                        "VERISPEC_KV_CACHE=bfloat16 needs the kernel built with AVX-512 BF16 "
+                        "and head dimension 64"
+                    )
+                return torch.bfloat16
+        else:
+            return torch.float16 if choice == "float16" else torch.float32
     return torch.float16 if kernel and dtype in ("bfloat16", "int8", *KERNEL_ONLY_DTYPES) else torch.float32
 
 
