@@ -2442,7 +2442,6 @@ inline void linear_block_tiles(bool q8, bool a8, const float* x, int64_t M, int6
 // (AVX-512 below, AVX2 after it); other head dimensions go one query at a time.
 constexpr int64_t kGroupedHeadDim = 64;
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
 // A bfloat16 cache (int4 and w4a8 with VERISPEC_KV_CACHE=bfloat16: `FastLlamaKernel::attention_bf16`)
 // holds one head's S positions (S a multiple of 32) of head dimension kGroupedHeadDim in the layouts
 // `vdpbf16ps` reads whole:
@@ -2450,10 +2449,13 @@ constexpr int64_t kGroupedHeadDim = 64;
 //     16 keys' pairs side by side, so that one register holds one pair of 16 keys;
 //   values [S / 2][D][2]: per pair of positions (2i, 2i + 1), each value's two side by side, so that
 //     one register holds 16 values of two positions.
+// (Only builds with AVX-512 BF16 hold one; the others compile the code that writes it, never run.)
 inline int64_t bf16_key_at(int64_t j, int64_t d) {
   return (j / 16) * 16 * kGroupedHeadDim + (d / 2) * 32 + (j % 16) * 2 + (d % 2);
 }
 inline int64_t bf16_value_at(int64_t j, int64_t d) { return (j / 2) * 2 * kGroupedHeadDim + d * 2 + (j % 2); }
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
 
 // The 32 values at x as 16 pairs of bfloat16 (rounded to nearest even by `vcvtne2ps2bf16`).
 inline __m512i bf16_pairs(const float* x) {
