@@ -58,6 +58,48 @@ def tiny_llama(
     return LlamaForCausalLM(cfg).to(dtype).eval()
 
 
+def check_tree_forward(
+    fast, prompt: torch.Tensor, gen: torch.Generator, vocab: int, same, after_keep=None
+) -> None:
+    """A tree call on ``fast`` (two rows, after ``prompt`` ``[2, n]``: a pending token and 3 drafts,
+    then alternatives at chain offsets 1 and 2) gives every node the logits it would have in a
+    chain, and ``keep_path`` moves an accepted alternative into place (row 0; row 1 keeps its chain)
+    so that decoding goes on as if it had been fed in a chain. ``same(got, want)`` compares logits;
+    ``after_keep(fast, n)`` runs right after ``keep_path``."""
+    n = prompt.shape[1]
+    chain = torch.randint(0, vocab, (2, 4), generator=gen)  # pending token then 3 drafts
+    alt = torch.randint(0, vocab, (2, 2), generator=gen)  # alternatives at chain offsets 1 and 2
+    after = torch.randint(0, vocab, (2, 3), generator=gen)
+
+    def chain_logits(ids: torch.Tensor) -> torch.Tensor:  # one token at a time, as plain decoding
+        fast.reset(2)
+        fast.forward(prompt, logits="none")
+        return torch.cat([fast.forward(ids[:, t : t + 1]) for t in range(ids.shape[1])], dim=1)
+
+    tree = torch.cat([chain, alt], dim=1)  # [2, 6]
+    offsets = torch.tensor([[0, 1, 2, 3, 1, 2]] * 2)
+    fast.reset(2)
+    fast.forward(prompt, logits="none")
+    got = fast.forward(tree, offsets=offsets)  # [2, 6, V]
+    same(got[:, :4], chain_logits(chain))
+    same(got[:, 4], chain_logits(torch.cat([chain[:, :1], alt[:, :1]], dim=1))[:, 1])
+    same(got[:, 5], chain_logits(torch.cat([chain[:, :2], alt[:, 1:]], dim=1))[:, 2])
+
+    # Row 0 keeps the alternative at offset 2 (after pending and chain token 1); row 1 its chain.
+    kept = torch.cat([chain[:1, :2], alt[:1, 1:]], dim=1)
+    rows = [torch.cat([kept, after[:1]], dim=1), torch.cat([chain[1:], after[1:, :2]], dim=1)]
+    want = chain_logits(torch.cat(rows))
+    fast.reset(2)
+    fast.forward(prompt, logits="none")
+    fast.forward(tree, offsets=offsets)
+    fast.keep_path(0, n, [0, 1, 5])
+    if after_keep is not None:
+        after_keep(fast, n)
+    fast.truncate(torch.tensor([n + 3, n + 4]))
+    same(fast.forward(after[:1], rows=[0]), want[:1, 3:])
+    same(fast.forward(after[1:, :2], rows=[1]), want[1:, 4:])
+
+
 @pytest.fixture(scope="session")
 def default_model_folder() -> Path:
     """The packaged default model converted once to a HF folder (cached across runs)."""

@@ -14,6 +14,7 @@ from unittest.mock import patch
 
 import pytest
 import torch
+from conftest import check_tree_forward
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -1061,9 +1062,6 @@ def test_tree_forward_scores_each_alternative_as_at_its_chain_position(use_kerne
     gen = torch.Generator().manual_seed(9)
     n = 7 if shape == "small" else 70
     prompt = torch.randint(0, VOCAB, (2, n), generator=gen)
-    chain = torch.randint(0, VOCAB, (2, 4), generator=gen)  # pending token then 3 drafts
-    alt = torch.randint(0, VOCAB, (2, 2), generator=gen)  # alternatives at chain offsets 1 and 2
-    after = torch.randint(0, VOCAB, (2, 3), generator=gen)
     dtype = "int8" if shape.endswith("int8") else "float32"
     fast = FastLlama.from_hf(hf, dtype=dtype, max_batch_size=2, use_kernel=use_kernel)
     fast.record_hidden = True
@@ -1074,42 +1072,13 @@ def test_tree_forward_scores_each_alternative_as_at_its_chain_position(use_kerne
         else:
             _close(got, want)
 
-    def chain_logits(ids: torch.Tensor) -> torch.Tensor:  # one token at a time, as plain decoding
-        fast.reset(2)
-        fast.forward(prompt, logits="none")
-        return torch.cat([fast.forward(ids[:, t : t + 1]) for t in range(ids.shape[1])], dim=1)
+    def hidden_moved(fast: FastLlama, n: int) -> None:
+        start, hidden = fast.hidden_by_row[0]
+        assert start == n and hidden.shape[0] == 3
 
-    fast.reset(2)
-    fast.forward(prompt, logits="none")
-    tree = torch.cat([chain, alt], dim=1)  # [2, 6]
-    offsets = torch.tensor([[0, 1, 2, 3, 1, 2]] * 2)
-    got = fast.forward(tree, offsets=offsets)  # [2, 6, V]
-    same(got[:, :4], chain_logits(chain))
-    same(got[:, 4], chain_logits(torch.cat([chain[:, :1], alt[:, :1]], dim=1))[:, 1])
-    same(got[:, 5], chain_logits(torch.cat([chain[:, :2], alt[:, 1:]], dim=1))[:, 2])
-
-    # Row 0 keeps the alternative at offset 2 (after pending and chain token 1); row 1 its chain.
-    fast.reset(2)
-    fast.forward(prompt, logits="none")
-    fast.forward(tree, offsets=offsets)
-    fast.keep_path(0, n, [0, 1, 5])
-    fast.truncate(torch.tensor([n + 3, n + 4]))
-    kept = torch.cat([chain[:1, :2], alt[:1, 1:]], dim=1)
-    rows = [torch.cat([kept, after[:1]], dim=1), torch.cat([chain[1:], after[1:, :2]], dim=1)]
-    want = chain_logits(torch.cat(rows))
-    fast.reset(2)
-    fast.forward(prompt, logits="none")
-    fast.forward(tree, offsets=offsets)
-    fast.keep_path(0, n, [0, 1, 5])
-    start, hidden = fast.hidden_by_row[0]
-    assert start == n and hidden.shape[0] == 3
-    fast.truncate(torch.tensor([n + 3, n + 4]))
-    got0 = fast.forward(after[:1], rows=[0])
-    got1 = fast.forward(after[1:, :2], rows=[1])
-    same(got0, want[:1, 3:])
-    same(got1, want[1:, 4:])
+    check_tree_forward(fast, prompt, gen, VOCAB, same, hidden_moved)
     with pytest.raises(ValueError, match="offsets"):
-        fast.forward(tree, offsets=torch.tensor([[0, 2, 2, 3, 1, 2]] * 2))
+        fast.forward(prompt[:, :6], offsets=torch.tensor([[0, 2, 2, 3, 1, 2]] * 2))
 
 
 @requires_kernel

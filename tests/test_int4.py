@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import check_tree_forward, tiny_llama
 from transformers import LlamaForCausalLM
 
 from verispec.models import fast_llama
@@ -205,34 +205,13 @@ def test_bfloat16_attention_stays_close_and_moves_tree_nodes(
     assert fast.k_cache[0].dtype == torch.bfloat16 and fast.k_cache[0].shape[2] % 32 == 0
     assert err < err8 and (dtype == "w4a8" or err16 < err)
 
-    n = 45  # an odd length: the chain's pairs of positions straddle a pair and a block of keys
-    prompt = torch.randint(0, VOCAB, (2, n), generator=gen)
-    chain = torch.randint(0, VOCAB, (2, 4), generator=gen)  # pending token then 3 drafts
-    alt = torch.randint(0, VOCAB, (2, 2), generator=gen)  # alternatives at chain offsets 1 and 2
-    after = torch.randint(0, VOCAB, (2, 3), generator=gen)
+    # An odd length: the chain's pairs of positions straddle a pair and a block of keys.
+    prompt = torch.randint(0, VOCAB, (2, 45), generator=gen)
+    check_tree_forward(fast, prompt, gen, VOCAB, _bitwise)
 
-    def chain_logits(seq: torch.Tensor) -> torch.Tensor:  # one token at a time, as plain decoding
-        fast.reset(2)
-        fast.forward(prompt, logits="none")
-        return torch.cat([fast.forward(seq[:, t : t + 1]) for t in range(seq.shape[1])], dim=1)
 
-    tree = torch.cat([chain, alt], dim=1)  # [2, 6]
-    offsets = torch.tensor([[0, 1, 2, 3, 1, 2]] * 2)
-    fast.reset(2)
-    fast.forward(prompt, logits="none")
-    got = fast.forward(tree, offsets=offsets)
-    assert torch.equal(got[:, :4], chain_logits(chain))
-    assert torch.equal(got[:, 5], chain_logits(torch.cat([chain[:, :2], alt[:, 1:]], dim=1))[:, 2])
-    kept = torch.cat([chain[:1, :2], alt[:1, 1:]], dim=1)
-    rows = [torch.cat([kept, after[:1]], dim=1), torch.cat([chain[1:], after[1:, :2]], dim=1)]
-    want = chain_logits(torch.cat(rows))
-    fast.reset(2)
-    fast.forward(prompt, logits="none")
-    fast.forward(tree, offsets=offsets)
-    fast.keep_path(0, n, [0, 1, 5])
-    fast.truncate(torch.tensor([n + 3, n + 4]))
-    assert torch.equal(fast.forward(after[:1], rows=[0]), want[:1, 3:])
-    assert torch.equal(fast.forward(after[1:, :2], rows=[1]), want[1:, 4:])
+def _bitwise(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert torch.equal(got, want)
 
 
 def test_bfloat16_cache_only_for_int4_and_w4a8(monkeypatch: pytest.MonkeyPatch) -> None:
