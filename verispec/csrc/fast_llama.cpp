@@ -4382,6 +4382,13 @@ class FastLlamaKernel {
   };
   static constexpr int64_t kMaxItemQueries = 96;
 
+  // The most cached positions any of an item's queries attends to before itself.
+  int64_t item_context(const AttnItem& it) const {
+    int64_t c = 0;
+    for (int64_t a = it.begin; a < it.end; ++a) c = std::max(c, ctx_[queries_[a] / Hq_]);
+    return c;
+  }
+
   void plan_attention(int64_t M, const int64_t* sl) {
     const int64_t G = Hq_ / Hkv_, threads = std::max<int64_t>(1, at::get_num_threads());
     const int64_t per_thread = (M * Hq_ + 4 * threads - 1) / (4 * threads);
@@ -4466,12 +4473,10 @@ class FastLlamaKernel {
       thread_local std::vector<uint32_t> qbuf, wbuf, obuf;  // queries, weights, own weights: bfloat16 pairs
       for (int64_t i = i0; i < i1; ++i) {
         const AttnItem& it = items_[i];
-        const int64_t n = it.end - it.begin;
+        const int64_t n = it.end - it.begin, cmax = item_context(it);
         const int64_t* qs = queries_.data() + it.begin;
         const bf16* K = kc + (it.slot * Hkv_ + it.g) * S * D;
         const bf16* V = vc + (it.slot * Hkv_ + it.g) * S * D;
-        int64_t cmax = 0;
-        for (int64_t a = 0; a < n; ++a) cmax = std::max(cmax, ctx_[qs[a] / Hq_]);
         const int64_t P = (cmax + 16) / 16 * 16 + 32;  // scores of keys 0 .. cmax, padded for the pairs
         pbuf.resize(n * P);
         qbuf.resize(n * D / 2);
@@ -4558,12 +4563,10 @@ class FastLlamaKernel {
       thread_local std::vector<float> wbuf(JB * kGroupedHeadDim);  // a block's widened keys or values
       for (int64_t i = i0; i < i1; ++i) {
         const AttnItem& it = items_[i];
-        const int64_t n = it.end - it.begin;
+        const int64_t n = it.end - it.begin, cmax = item_context(it);
         const int64_t* qs = queries_.data() + it.begin;
         const KT* K = kc + (it.slot * Hkv_ + it.g) * S * D;
         const KT* V = vc + (it.slot * Hkv_ + it.g) * S * D;
-        int64_t cmax = 0;
-        for (int64_t a = 0; a < n; ++a) cmax = std::max(cmax, ctx_[qs[a] / Hq_]);
         const int64_t P = (cmax + 16) / 16 * 16;  // each query's scores: keys 0 .. cmax - 1, then its own
         pbuf.resize(n * P);
         const int64_t block_bytes = JB * D * static_cast<int64_t>(sizeof(KT));
