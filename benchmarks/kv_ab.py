@@ -22,8 +22,9 @@ import collections
 import math
 import os
 
+from side_by_side import fastest_rounds, generate
+
 import verispec
-from verispec.api import speculative_generate
 from verispec.bench.prompts import load_prompts, select
 from verispec.ngrams import NgramLookup
 from verispec.tokenizers import encode_prompt
@@ -59,14 +60,7 @@ def main() -> None:
     def run(ids: list[int], config: str):
         method, cache = config.split("/")
         drafter = drafters[cache] if method == "table" else None
-        return speculative_generate(
-            targets[cache],
-            drafter,
-            ids,
-            max_new_tokens=args.max_new_tokens,
-            temperature=0.0,
-            num_speculative_tokens=args.k if drafter is not None else 0,
-        )
+        return generate(targets[cache], drafter, ids, args.max_new_tokens, args.k)
 
     warm = encode_prompt(targets["float16"].tokenizer, "Hi", chat=True)
     for config in CONFIGS:
@@ -77,13 +71,7 @@ def main() -> None:
     same = prompts = 0
     for n, prompt in enumerate(select(load_prompts(), None, args.per_category)):
         ids = encode_prompt(targets["float16"].tokenizer, prompt.text, chat=True)
-        best: dict[str, object] = {}
-        for r in range(args.repeats):
-            shift = (n + r) % len(CONFIGS)
-            for config in CONFIGS[shift:] + CONFIGS[:shift]:
-                result = run(ids, config)
-                if config not in best or result.stats.seconds < best[config].stats.seconds:
-                    best[config] = result
+        best = fastest_rounds(CONFIGS, run, ids, n, args.repeats)
         for config, result in best.items():
             want = best["plain/" + config.split("/")[1]]
             assert result.token_ids == want.token_ids, (prompt.question_id, config)

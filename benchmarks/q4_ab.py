@@ -22,8 +22,9 @@ import argparse
 import collections
 import math
 
+from side_by_side import fastest_rounds, generate
+
 import verispec
-from verispec.api import speculative_generate
 from verispec.bench.prompts import load_prompts, select
 from verispec.costs import costs_for
 from verispec.distill.shipped import load_shipped_draft
@@ -55,15 +56,7 @@ def main() -> None:
     def run(ids: list[int], config: str):
         method, weights = config.split("/")
         drafter = drafters[weights] if method == "drafter" else None
-        return speculative_generate(
-            targets[weights],
-            drafter,
-            ids,
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            seed=0 if args.temperature > 0 else None,
-            num_speculative_tokens=args.k if drafter is not None else 0,
-        )
+        return generate(targets[weights], drafter, ids, args.max_new_tokens, args.k, args.temperature)
 
     warm = encode_prompt(blocks.tokenizer, "Hi", chat=True)
     for config in CONFIGS:
@@ -73,13 +66,7 @@ def main() -> None:
     seconds = collections.defaultdict(lambda: collections.defaultdict(float))  # category -> config -> s
     for n, prompt in enumerate(select(load_prompts(), None, args.per_category)):
         ids = encode_prompt(blocks.tokenizer, prompt.text, chat=True)
-        best: dict[str, object] = {}
-        for r in range(args.repeats):
-            shift = (n + r) % len(CONFIGS)
-            for config in CONFIGS[shift:] + CONFIGS[:shift]:
-                result = run(ids, config)
-                if config not in best or result.stats.seconds < best[config].stats.seconds:
-                    best[config] = result
+        best = fastest_rounds(CONFIGS, run, ids, n, args.repeats)
         for config, result in best.items():
             want = best["plain/rows" if args.temperature == 0 else config.split("/")[0] + "/rows"]
             assert result.token_ids == want.token_ids, (prompt.question_id, config)
