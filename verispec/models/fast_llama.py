@@ -1521,19 +1521,16 @@ def _kv_dtype(dtype: str, kernel: bool, head_dim: int = 64) -> torch.dtype:
     97.1% to 96.1% for w4a8 (int8's level) and from 99.96% to 99.73% for int4. It is not the default.
     """
     choice = os.environ.get("VERISPEC_KV_CACHE", "")
-    if choice:
-        if choice not in ("float32", "float16", "bfloat16"):
-            raise ValueError(f"VERISPEC_KV_CACHE must be float32, float16 or bfloat16, not {choice!r}")
-        if choice == "bfloat16":
-            if kernel and dtype in KERNEL_ONLY_DTYPES:
-                if not bf16_attention_ok(head_dim):
-                    raise ValueError(
-                        "VERISPEC_KV_CACHE=bfloat16 needs the kernel built with AVX-512 BF16 "
-                        "and head dimension 64"
-                    )
-                return torch.bfloat16
-        else:
-            return torch.float16 if choice == "float16" else torch.float32
+    if choice not in ("", "float32", "float16", "bfloat16"):
+        raise ValueError(f"VERISPEC_KV_CACHE must be float32, float16 or bfloat16, not {choice!r}")
+    if choice in ("float32", "float16"):
+        return torch.float16 if choice == "float16" else torch.float32
+    if choice == "bfloat16" and kernel and dtype in KERNEL_ONLY_DTYPES:  # other formats: their own
+        if not bf16_attention_ok(head_dim):
+            raise ValueError(
+                "VERISPEC_KV_CACHE=bfloat16 needs the kernel built with AVX-512 BF16 and head dimension 64"
+            )
+        return torch.bfloat16
     return torch.float16 if kernel and dtype in ("bfloat16", "int8", *KERNEL_ONLY_DTYPES) else torch.float32
 
 
