@@ -54,7 +54,7 @@ def _as_q8_0(w: torch.Tensor) -> torch.Tensor:
 def _q4_llama(seed: int = 3, tied: bool = True, hidden: int = 64) -> LlamaForCausalLM:
     """A tiny float32 Llama made as a Q4_1 GGUF is: layer matrices of exact Q4_1 blocks (rows in
     16s, columns in 32s), the embedding and output head of exact Q8_0 blocks (one tensor if tied).
-    Its 4 heads have head dimension ``hidden / 4`` (64 at 256: w4a8's bfloat16 attention)."""
+    Its 4 heads have head dimension ``hidden / 4`` (64 at 256: the grouped and bfloat16 attention)."""
     hf = tiny_llama(VOCAB, seed=seed, hidden=hidden, dtype=torch.float32)
     with torch.no_grad():
         for blk in hf.model.layers:
