@@ -304,6 +304,18 @@ inline void with_rows(int64_t mr, const F& f) {
   f(std::integral_constant<int, R>{});
 }
 
+// f(m0, m1) over rows 0 .. M - 1: split between the threads for a prompt piece's rows, on this
+// thread for a decoding step's few, which a parallel region would cost more than it saves. For the
+// work done a row at a time between the products (their 8-bit activations, the norms, RoPE and the
+// cache writes): the activations alone took 4% of a 128-token w4a8 piece's time on one core while
+// the other waited (perf, session 47).
+constexpr int64_t kParallelRows = 16;
+template <typename F>
+inline void rows_in_parallel(int64_t M, const F& f) {
+  if (M < kParallelRows) return f(0, M);
+  at::parallel_for(0, M, kParallelRows / 2, f);
+}
+
 // 16 int8 weights sign-extended to int16.
 inline __m256i load16(const i8* p) {
   return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -957,17 +969,6 @@ struct ByteRows {
   const uint8_t* lo;      // [M, K]
   const float* sums;      // [M, K / 32] with `block_sums`, else null
 };
-// f(m0, m1) over rows 0 .. M - 1: split between the threads for a prompt piece's rows (the
-// products' 8-bit activations, quantised a row at a time: 4% of a 128-token w4a8 piece's time on
-// one core while the other waited, perf, session 47), on this thread for a decoding step's few,
-// which a parallel region would cost more than it saves.
-constexpr int64_t kParallelRows = 16;
-template <typename F>
-inline void rows_in_parallel(int64_t M, const F& f) {
-  if (M < kParallelRows) return f(0, M);
-  at::parallel_for(0, M, kParallelRows / 2, f);
-}
-
 inline ByteRows byte_rows(const float* x, int64_t M, int64_t ldx, int64_t K, bool offset_hi,
                           bool block_sums = false) {
   thread_local std::vector<float> xs;
@@ -1977,12 +1978,14 @@ inline float sumsq(const float* x, int64_t n) {
 
 // Same order as HF's LlamaRMSNorm: weight * (x * rsqrt(mean(x^2) + eps)).
 void rmsnorm(const float* x, int64_t M, int64_t H, const float* w, float eps, float* y) {
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xm = x + m * H;
-    float* ym = y + m * H;
-    const float r = 1.0f / std::sqrt(sumsq(xm, H) / static_cast<float>(H) + eps);
-    for (int64_t k = 0; k < H; ++k) ym[k] = w[k] * (xm[k] * r);
-  }
+  rows_in_parallel(M, [=](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* xm = x + m * H;
+      float* ym = y + m * H;
+      const float r = 1.0f / std::sqrt(sumsq(xm, H) / static_cast<float>(H) + eps);
+      for (int64_t k = 0; k < H; ++k) ym[k] = w[k] * (xm[k] * r);
+    }
+  });
 }
 
 // HF's rotate_half convention: out = x * cos + cat(-x2, x1) * sin, with cos/sin rows of width D.
@@ -4392,51 +4395,53 @@ class FastLlamaKernel {
   void write_kv(size_t l, int64_t M, const int64_t* sl, const int64_t* ps, const float* cos,
                 const float* sin) {
     const int64_t D = D_, QKV = (Hq_ + 2 * Hkv_) * D_, S = kc_[l].size(2);
-    for (int64_t m = 0; m < M; ++m) {
-      float* row = qkv_.data() + m * QKV;
-      const float* c = cos + ctx_[m] * D;  // the RoPE position (ctx = pos but in trees)
-      const float* s = sin + ctx_[m] * D;
-      for (int64_t h = 0; h < Hq_ + Hkv_; ++h) rope(row + h * D, c, s, D);
-      for (int64_t g = 0; g < Hkv_; ++g) {
-        const int64_t off = ((sl[m] * Hkv_ + g) * S + ps[m]) * D;
-        const float* k = row + (Hq_ + g) * D;
-        const float* v = row + (Hq_ + Hkv_ + g) * D;
-        if (kv_bf16_) {  // rounded to nearest even, as torch's bfloat16 conversion, into the layouts
-          bf16* kh = static_cast<bf16*>(kc_[l].data_ptr()) + (sl[m] * Hkv_ + g) * S * D;
-          bf16* vh = static_cast<bf16*>(vc_[l].data_ptr()) + (sl[m] * Hkv_ + g) * S * D;
-          alignas(32) bf16 kr[kGroupedHeadDim], vr[kGroupedHeadDim];
-          for (int64_t d = 0; d < D; d += 8) {
-            store8(kr + d, _mm256_loadu_ps(k + d));
-            store8(vr + d, _mm256_loadu_ps(v + d));
+    rows_in_parallel(M, [&](int64_t m0, int64_t m1) {  // each token its own row and cache positions
+      for (int64_t m = m0; m < m1; ++m) {
+        float* row = qkv_.data() + m * QKV;
+        const float* c = cos + ctx_[m] * D;  // the RoPE position (ctx = pos but in trees)
+        const float* s = sin + ctx_[m] * D;
+        for (int64_t h = 0; h < Hq_ + Hkv_; ++h) rope(row + h * D, c, s, D);
+        for (int64_t g = 0; g < Hkv_; ++g) {
+          const int64_t off = ((sl[m] * Hkv_ + g) * S + ps[m]) * D;
+          const float* k = row + (Hq_ + g) * D;
+          const float* v = row + (Hq_ + Hkv_ + g) * D;
+          if (kv_bf16_) {  // rounded to nearest even, as torch's bfloat16 conversion, into the layouts
+            bf16* kh = static_cast<bf16*>(kc_[l].data_ptr()) + (sl[m] * Hkv_ + g) * S * D;
+            bf16* vh = static_cast<bf16*>(vc_[l].data_ptr()) + (sl[m] * Hkv_ + g) * S * D;
+            alignas(32) bf16 kr[kGroupedHeadDim], vr[kGroupedHeadDim];
+            for (int64_t d = 0; d < D; d += 8) {
+              store8(kr + d, _mm256_loadu_ps(k + d));
+              store8(vr + d, _mm256_loadu_ps(v + d));
+            }
+            const int64_t j = ps[m];
+            uint32_t* kp = reinterpret_cast<uint32_t*>(kh + bf16_key_at(j, 0));  // pair 0 of key j
+            uint32_t pair;
+            for (int64_t d = 0; d < D; d += 2) {  // pair d / 2 of the key: 16 pairs (32 values) apart
+              std::memcpy(&pair, kr + d, sizeof pair);
+              kp[d / 2 * 16] = pair;
+            }
+            bf16* vp = vh + bf16_value_at(j, 0);
+            for (int64_t d = 0; d < D; ++d) vp[2 * d] = vr[d];
+          } else if (kv_half_) {  // rounded to nearest even, as torch's float16 conversion
+            f16* kc = static_cast<f16*>(kc_[l].data_ptr()) + off;
+            f16* vc = static_cast<f16*>(vc_[l].data_ptr()) + off;
+            int64_t d = 0;
+            for (; d + 8 <= D; d += 8) {  // the same rounding, 8 at a time (1 / 5 tokens: 42 -> 29,
+                                          // 89 -> 61 us per step on the Xeon, as `prefetch_rows`)
+              store8(kc + d, _mm256_loadu_ps(k + d));
+              store8(vc + d, _mm256_loadu_ps(v + d));
+            }
+            for (; d < D; ++d) {
+              store1(kc + d, k[d]);
+              store1(vc + d, v[d]);
+            }
+          } else {
+            std::memcpy(kc_[l].data_ptr<float>() + off, k, D * sizeof(float));
+            std::memcpy(vc_[l].data_ptr<float>() + off, v, D * sizeof(float));
           }
-          const int64_t j = ps[m];
-          uint32_t* kp = reinterpret_cast<uint32_t*>(kh + bf16_key_at(j, 0));  // pair 0 of key j
-          uint32_t pair;
-          for (int64_t d = 0; d < D; d += 2) {  // pair d / 2 of the key: 16 pairs (32 values) apart
-            std::memcpy(&pair, kr + d, sizeof pair);
-            kp[d / 2 * 16] = pair;
-          }
-          bf16* vp = vh + bf16_value_at(j, 0);
-          for (int64_t d = 0; d < D; ++d) vp[2 * d] = vr[d];
-        } else if (kv_half_) {  // rounded to nearest even, as torch's float16 conversion
-          f16* kc = static_cast<f16*>(kc_[l].data_ptr()) + off;
-          f16* vc = static_cast<f16*>(vc_[l].data_ptr()) + off;
-          int64_t d = 0;
-          for (; d + 8 <= D; d += 8) {  // the same rounding, 8 at a time (1 / 5 tokens: 42 -> 29,
-                                        // 89 -> 61 us per step on the Xeon, as `prefetch_rows`)
-            store8(kc + d, _mm256_loadu_ps(k + d));
-            store8(vc + d, _mm256_loadu_ps(v + d));
-          }
-          for (; d < D; ++d) {
-            store1(kc + d, k[d]);
-            store1(vc + d, v[d]);
-          }
-        } else {
-          std::memcpy(kc_[l].data_ptr<float>() + off, k, D * sizeof(float));
-          std::memcpy(vc_[l].data_ptr<float>() + off, v, D * sizeof(float));
         }
       }
-    }
+    });
   }
 
   // Which queries (token m, head h) are scored together: those of one batch row and one KV head
