@@ -4393,54 +4393,54 @@ class FastLlamaKernel {
   // RoPE on q and k in place, then k and v into the caches at (slot, head, pos).
   void write_kv(size_t l, int64_t M, const int64_t* sl, const int64_t* ps, const float* cos,
                 const float* sin) {
-    const int64_t D = D_, QKV = (Hq_ + 2 * Hkv_) * D_, S = kc_[l].size(2);
+    const int64_t D = D_, QKV = (Hq_ + 2 * Hkv_) * D_;
     rows_in_parallel(M, [&](int64_t m0, int64_t m1) {  // each token its own row and cache positions
       for (int64_t m = m0; m < m1; ++m) {
         float* row = qkv_.data() + m * QKV;
         const float* c = cos + ctx_[m] * D;  // the RoPE position (ctx = pos but in trees)
         const float* s = sin + ctx_[m] * D;
         for (int64_t h = 0; h < Hq_ + Hkv_; ++h) rope(row + h * D, c, s, D);
-        for (int64_t g = 0; g < Hkv_; ++g) {
-          const int64_t off = ((sl[m] * Hkv_ + g) * S + ps[m]) * D;
-          const float* k = row + (Hq_ + g) * D;
-          const float* v = row + (Hq_ + Hkv_ + g) * D;
-          if (kv_bf16_) {  // rounded to nearest even, as torch's bfloat16 conversion, into the layouts
-            bf16* kh = static_cast<bf16*>(kc_[l].data_ptr()) + (sl[m] * Hkv_ + g) * S * D;
-            bf16* vh = static_cast<bf16*>(vc_[l].data_ptr()) + (sl[m] * Hkv_ + g) * S * D;
-            alignas(32) bf16 kr[kGroupedHeadDim], vr[kGroupedHeadDim];
-            for (int64_t d = 0; d < D; d += 8) {
-              store8(kr + d, _mm256_loadu_ps(k + d));
-              store8(vr + d, _mm256_loadu_ps(v + d));
-            }
-            const int64_t j = ps[m];
-            uint32_t* kp = reinterpret_cast<uint32_t*>(kh + bf16_key_at(j, 0));  // pair 0 of key j
-            uint32_t pair;
-            for (int64_t d = 0; d < D; d += 2) {  // pair d / 2 of the key: 16 pairs (32 values) apart
-              std::memcpy(&pair, kr + d, sizeof pair);
-              kp[d / 2 * 16] = pair;
-            }
-            bf16* vp = vh + bf16_value_at(j, 0);
-            for (int64_t d = 0; d < D; ++d) vp[2 * d] = vr[d];
-          } else if (kv_half_) {  // rounded to nearest even, as torch's float16 conversion
-            f16* kc = static_cast<f16*>(kc_[l].data_ptr()) + off;
-            f16* vc = static_cast<f16*>(vc_[l].data_ptr()) + off;
-            int64_t d = 0;
-            for (; d + 8 <= D; d += 8) {  // the same rounding, 8 at a time (1 / 5 tokens: 42 -> 29,
-                                          // 89 -> 61 us per step on the Xeon, as `prefetch_rows`)
-              store8(kc + d, _mm256_loadu_ps(k + d));
-              store8(vc + d, _mm256_loadu_ps(v + d));
-            }
-            for (; d < D; ++d) {
-              store1(kc + d, k[d]);
-              store1(vc + d, v[d]);
-            }
-          } else {
-            std::memcpy(kc_[l].data_ptr<float>() + off, k, D * sizeof(float));
-            std::memcpy(vc_[l].data_ptr<float>() + off, v, D * sizeof(float));
-          }
-        }
+        for (int64_t g = 0; g < Hkv_; ++g)
+          store_kv(l, sl[m], g, ps[m], row + (Hq_ + g) * D, row + (Hq_ + Hkv_ + g) * D);
       }
     });
+  }
+
+  // Key k and value v (D floats each) of KV head g into layer l's caches at (slot, g, pos), rounded
+  // to the cache's type as torch rounds it (nearest even) and, for bfloat16, into its layouts.
+  void store_kv(size_t l, int64_t slot, int64_t g, int64_t pos, const float* k, const float* v) {
+    const int64_t D = D_, S = kc_[l].size(2), head = (slot * Hkv_ + g) * S * D;
+    if (kv_bf16_) {
+      bf16* kh = static_cast<bf16*>(kc_[l].data_ptr()) + head;
+      bf16* vh = static_cast<bf16*>(vc_[l].data_ptr()) + head;
+      alignas(32) bf16 kr[kGroupedHeadDim], vr[kGroupedHeadDim];
+      for (int64_t d = 0; d < D; d += 8) {
+        store8(kr + d, _mm256_loadu_ps(k + d));
+        store8(vr + d, _mm256_loadu_ps(v + d));
+      }
+      for (int64_t d = 0; d < D; d += 2)  // the key's pairs, each one 32-bit word of its block
+        std::memcpy(kh + bf16_key_at(pos, d), kr + d, 2 * sizeof(bf16));
+      for (int64_t d = 0; d < D; ++d) vh[bf16_value_at(pos, d)] = vr[d];
+      return;
+    }
+    const int64_t off = head + pos * D;
+    if (kv_half_) {
+      f16* kc = static_cast<f16*>(kc_[l].data_ptr()) + off;
+      f16* vc = static_cast<f16*>(vc_[l].data_ptr()) + off;
+      int64_t d = 0;
+      for (; d + 8 <= D; d += 8) {  // the same rounding, 8 at a time (1 / 5 tokens: 42 -> 29,
+                                    // 89 -> 61 us per step on the Xeon, as `prefetch_rows`)
+        store8(kc + d, _mm256_loadu_ps(k + d));
+        store8(vc + d, _mm256_loadu_ps(v + d));
+      }
+      for (; d < D; ++d) {
+        store1(kc + d, k[d]);
+        store1(vc + d, v[d]);
+      }
+      return;
+    }
+    std::memcpy(kc_[l].data_ptr<float>() + off, k, D * sizeof(float));
+    std::memcpy(vc_[l].data_ptr<float>() + off, v, D * sizeof(float));
   }
 
   // Which queries (token m, head h) are scored together: those of one batch row and one KV head
