@@ -50,7 +50,12 @@
 #include <unistd.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <omp.h>
+#include <sched.h>
+
 #include <algorithm>
+#include <atomic>
+#include <exception>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -304,17 +309,141 @@ inline void with_rows(int64_t mr, const F& f) {
   f(std::integral_constant<int, R>{});
 }
 
-// f(m0, m1) over rows 0 .. M - 1: split between the threads for a prompt piece's rows, on this
-// thread for a decoding step's few, which a parallel region would cost more than it saves. For the
-// work done a row at a time between the products (their 8-bit activations, the norms, RoPE and the
-// cache writes): the activations alone took 4% of a 128-token w4a8 piece's time on one core while
-// the other waited (perf, session 47). From 8 rows: verifications of 9 and 13 tokens 0.7-1.7% faster
-// than from 16 (w4a8, 200 cached tokens); from 4, five tokens no faster.
-constexpr int64_t kParallelRows = 8;
+// One parallel region per forward. A forward makes about 150 parallel calls (five per layer, more in
+// a prompt piece); each at::parallel_for opens an OpenMP region of its own, 0.6-1.2 us here before
+// any work, against 0.07 us for handing work to a thread that spins on a flag (session 47). So the
+// forward runs inside one region (team_drive): its first thread runs the forward and the others
+// wait for team_for's chunks, spinning. team_for splits a range exactly as at::parallel_for does
+// (the same chunk to the same thread id), so the work each thread does, and every result, is the
+// same; outside a team_drive it is at::parallel_for.
+struct TeamState {
+  static constexpr int kMost = 64;
+  struct alignas(64) Slot {
+    std::atomic<uint64_t> v{0};
+  };
+  alignas(64) std::atomic<uint64_t> epoch{0};  // the last job posted; the threads' done[t] follow it
+  alignas(64) void (*call)(const void*, int64_t, int64_t) = nullptr;
+  const void* fn = nullptr;
+  int64_t begin = 0, end = 0, chunk = 0, tasks = 0;
+  int threads = 1;
+  bool exit = false;
+  Slot done[kMost];
+  std::atomic_flag failed = ATOMIC_FLAG_INIT;
+  std::exception_ptr error;
+};
+inline thread_local TeamState* t_team = nullptr;  // set on the thread driving a team
+inline thread_local bool t_team_busy = false;     // that thread is inside a job: nested calls run inline
+
+// Waits until `ready()`: spins, then yields to the scheduler, so that more threads than cores (or a
+// busy machine) cost time slices instead of a stall.
+template <typename F>
+inline void team_wait(const F& ready) {
+  for (int64_t i = 0; !ready(); ++i) {
+    if (i < (1 << 12)) {
+      _mm_pause();
+    } else {
+      sched_yield();
+    }
+  }
+}
+
+// Threads of the parallel calls: the team's inside a team_drive, else at::get_num_threads().
+inline int64_t team_threads() { return t_team ? t_team->threads : at::get_num_threads(); }
+
+// f(b0, b1) over [begin, end), split as at::parallel_for splits it.
+template <typename F>
+inline void team_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  TeamState* s = t_team;
+  if (s == nullptr || t_team_busy) return at::parallel_for(begin, end, grain, f);
+  const int64_t n = end - begin;
+  if (n <= 0) return;
+  if (!(n > grain && n > 1 && s->threads > 1)) return f(begin, end);
+  int64_t tasks = s->threads;
+  if (grain > 0) tasks = std::min(tasks, (n + grain - 1) / grain);
+  s->call = [](const void* g, int64_t b0, int64_t b1) { (*static_cast<const F*>(g))(b0, b1); };
+  s->fn = &f;
+  s->begin = begin;
+  s->end = end;
+  s->chunk = (n + tasks - 1) / tasks;
+  s->tasks = tasks;
+  const uint64_t job = s->epoch.load(std::memory_order_relaxed) + 1;
+  s->epoch.store(job, std::memory_order_release);
+  std::exception_ptr own;
+  t_team_busy = true;
+  try {
+    f(begin, std::min(end, begin + s->chunk));
+  } catch (...) {
+    own = std::current_exception();
+  }
+  t_team_busy = false;
+  for (int t = 1; t < s->threads; ++t)  // every thread, so none still reads this job's fields
+    team_wait([&] { return s->done[t].v.load(std::memory_order_acquire) == job; });
+  if (own) std::rethrow_exception(own);
+  if (s->error) std::rethrow_exception(s->error);
+}
+
+// A team thread other than the first: runs its chunk of each job until the driver exits.
+inline void team_serve(TeamState* s, int tid) {
+  uint64_t seen = 0;
+  for (;;) {
+    uint64_t job = 0;
+    team_wait([&] { return (job = s->epoch.load(std::memory_order_acquire)) != seen; });
+    seen = job;
+    if (s->exit) return;
+    const int64_t b0 = s->begin + tid * s->chunk;
+    if (tid < s->tasks && b0 < s->end) {
+      t_team_busy = true;
+      try {
+        s->call(s->fn, b0, std::min(s->end, b0 + s->chunk));
+      } catch (...) {
+        if (!s->failed.test_and_set()) s->error = std::current_exception();
+      }
+      t_team_busy = false;
+    }
+    s->done[tid].v.store(job, std::memory_order_release);
+  }
+}
+
+// body() on this thread, its team_for calls split over one OpenMP region's threads. Inline (every
+// team_for an at::parallel_for) where this thread already drives a team or is in a parallel region.
+template <typename B>
+inline void team_drive(const B& body) {
+  if (t_team != nullptr || at::in_parallel_region() || at::get_num_threads() <= 1) return body();
+  TeamState s;
+  std::exception_ptr error;
+  // No num_threads clause: as at::parallel_for, which avoids it for a bug of GOMP's thread pool.
+#pragma omp parallel
+  {
+    const int tid = omp_get_thread_num();
+    if (tid == 0) {
+      s.threads = std::min(omp_get_num_threads(), TeamState::kMost);
+      t_team = &s;
+      try {
+        body();
+      } catch (...) {
+        error = std::current_exception();
+      }
+      t_team = nullptr;
+      s.exit = true;
+      s.epoch.fetch_add(1, std::memory_order_release);
+    } else if (tid < TeamState::kMost) {
+      team_serve(&s, tid);
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+// f(m0, m1) over rows 0 .. M - 1, split between the threads from two rows: the work done a row at a
+// time between the products (their 8-bit activations, the norms, RoPE and the cache writes). The
+// activations alone took 4% of a 128-token w4a8 piece's time on one core while the other waited
+// (perf, session 47), and 5% of a 5-token step's (session 48). Through OpenMP regions this paid from
+// 8 rows only; handed to team_drive's spinning threads, it pays from 2: a 5-token w4a8 step at 200
+// cached tokens 4.44 / 4.88 -> 4.25 / 4.57 ms (benchmarks/kernel_ab.py, min / median, session 48).
+constexpr int64_t kParallelRows = 2;
 template <typename F>
 inline void rows_in_parallel(int64_t M, const F& f) {
   if (M < kParallelRows) return f(0, M);
-  at::parallel_for(0, M, kParallelRows / 2, f);
+  team_for(0, M, 1, f);
 }
 
 // 16 int8 weights sign-extended to int16.
@@ -874,7 +1003,7 @@ void amx_pack(const i8* w, int64_t N, int64_t K, bool paired, i8* o) {
   TORCH_CHECK(amx_shape_ok(N, K), "AMX tiles need N % 16 == 0 and K % 64 == 0, K <= 65536");
   constexpr int64_t C = kPairChunk<i8>;
   const int64_t S = K / kAmxCols;
-  at::parallel_for(0, N / kAmxRows, 1, [&](int64_t t0, int64_t t1) {
+  team_for(0, N / kAmxRows, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t r = 0; r < kAmxRows; ++r) {
         const int64_t n = t * kAmxRows + r;
@@ -1006,7 +1135,7 @@ void linear_amx(const float* x, int64_t M, int64_t ldx, const i8* wt, int64_t N,
   const float* qs = rows_q.xs;
   const i8* hp = rows_q.hi;
   const uint8_t* lp = rows_q.lo;
-  at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+  team_for(0, (tiles + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
     int64_t rows = mc;
     amx_configure(rows);
     alignas(64) int32_t c[4][kAmxRows][kAmxRows];
@@ -1179,7 +1308,7 @@ void linear_vnni_tiles(const float* x, int64_t M, int64_t ldx, const i8* wt, con
   const uint8_t* hp = reinterpret_cast<const uint8_t*>(rows_q.hi);  // hi + 128
   const uint8_t* lp = rows_q.lo;
   const int64_t tiles = N / kAmxRows, stride = kAmxRows * K;
-  at::parallel_for(0, (tiles + kVnniTiles - 1) / kVnniTiles, 1, [&](int64_t g0, int64_t g1) {
+  team_for(0, (tiles + kVnniTiles - 1) / kVnniTiles, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t t = g * kVnniTiles, nt = std::min<int64_t>(kVnniTiles, tiles - t), j = t * kAmxRows;
       for (int64_t m = 0; m < M; m += kVnniRows) {
@@ -1586,7 +1715,7 @@ constexpr int64_t kQuietPrefetch = 1024;
 template <typename Pass>
 void for_each_pass(int64_t M, int64_t N, const Pass& pass, int64_t most = 6, int64_t NB = 8) {
   const int64_t nblocks = (N + NB - 1) / NB;
-  at::parallel_for(0, nblocks, std::max<int64_t>(1, 128 / NB), [&](int64_t b0, int64_t b1) {
+  team_for(0, nblocks, std::max<int64_t>(1, 128 / NB), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * NB;
       const int64_t nr = std::min(NB, N - n0);
@@ -2449,7 +2578,7 @@ void linear_q4_tiles(const float* x, int64_t M, int64_t ldx, const uint8_t* wt, 
   constexpr int kRows = A8 ? kQ4A8Rows : kQ4Rows;
   const int64_t B = K / 32, tiles = N / kQ4Tile;
   const float* as = rows_q.sums;
-  at::parallel_for(0, (tiles + kQ4Group - 1) / kQ4Group, 1, [&](int64_t g0, int64_t g1) {
+  team_for(0, (tiles + kQ4Group - 1) / kQ4Group, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t t0 = g * kQ4Group, t1 = std::min<int64_t>(tiles, t0 + kQ4Group);
       const int64_t bstride = (t1 - t0) * kBlockBytes;  // between a tile's blocks
@@ -2968,7 +3097,7 @@ inline void store1(float* p, float v) { *p = v; }
 template <typename T>
 void swiglu_rows(const T* gu, const float* scale, int64_t M, int64_t I, T* out) {
   const int64_t I8 = I - I % 8;
-  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+  team_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       const T* g = gu + m * 2 * I;
       T* a = out + m * I;
@@ -3022,7 +3151,7 @@ at::Tensor rmsnorm_rows_op(const at::Tensor& x, const at::Tensor& w, double eps)
   OT* op = reinterpret_cast<OT*>(out.data_ptr());
   const float e = static_cast<float>(eps);
   const int64_t H8 = H - H % 8;
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+  team_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       const float* xm = xp + m * H;
       OT* om = op + m * H;
@@ -3056,7 +3185,7 @@ void rope_rows_op(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, 
   float* q = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+  team_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t h = 0; h < heads; ++h) rope(q + m * C + h * D, cp + pp[m] * D, sp + pp[m] * D, D);
   });
@@ -3071,8 +3200,8 @@ at::Tensor linear_rows_op(const at::Tensor& x, const at::Tensor& w) {
   const int64_t M = x.size(0);
   auto out = at::empty({M, w.size(0)}, x.options());
   const at::Tensor wt = w.t();
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), M / 64));
-  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(team_threads(), M / 64));
+  team_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t m0 = M * p / parts, m1 = M * (p + 1) / parts;
       at::Tensor block = out.narrow(0, m0, m1 - m0);
@@ -3228,7 +3357,7 @@ void rows_from_pairs(const WT* w, int64_t N, int64_t K, OT* out, bool stream) {
   constexpr int64_t C = kPairChunk<WT>;
   constexpr int64_t B = C * static_cast<int64_t>(sizeof(WT));
   stream = stream && reinterpret_cast<uintptr_t>(out) % B == 0 && (K * sizeof(OT)) % B == 0;
-  at::parallel_for(0, N / 2, 64, [&](int64_t p0, int64_t p1) {
+  team_for(0, N / 2, 64, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const WT* src = w + p * 2 * K;  // [K / C][2][C]
       OT* even = out + 2 * p * K;
@@ -3555,7 +3684,7 @@ at::Tensor sampling_probs_op(const at::Tensor& logits, const at::Tensor& tempera
   const double* t = temperature.data_ptr<double>();
   const int64_t* k = top_k.data_ptr<int64_t>();
   const double* p = top_p.data_ptr<double>();
-  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+  team_for(0, R, 1, [&](int64_t r0, int64_t r1) {
     std::vector<float> heap;
     std::vector<double> hist;
     for (int64_t r = r0; r < r1; ++r) sampling_row(x + r * V, V, t[r], k[r], p[r], o + r * V, heap, hist);
@@ -4108,11 +4237,15 @@ class FastLlamaKernel {
       for (int64_t m = 0; m < M; ++m)
         TORCH_CHECK(ctx_[m] >= 0 && ctx_[m] <= ps[m], "ctx must lie in [0, pos]");
     }
-    switch (wtype_) {
-      case at::kBFloat16: return run<bf16>(M, id, x_in, sl, ps, logit_rows, false);
-      case at::kChar: return run<i8>(M, id, x_in, sl, ps, logit_rows, false);
-      default: return run<float>(M, id, x_in, sl, ps, logit_rows, argmax_only && screen_.w.defined());
-    }
+    at::Tensor out;
+    team_drive([&] {
+      switch (wtype_) {
+        case at::kBFloat16: out = run<bf16>(M, id, x_in, sl, ps, logit_rows, false); break;
+        case at::kChar: out = run<i8>(M, id, x_in, sl, ps, logit_rows, false); break;
+        default: out = run<float>(M, id, x_in, sl, ps, logit_rows, argmax_only && screen_.w.defined());
+      }
+    });
+    return out;
   }
 
   template <typename WT>
@@ -4468,7 +4601,7 @@ class FastLlamaKernel {
   }
 
   void plan_attention(int64_t M, const int64_t* sl) {
-    const int64_t G = Hq_ / Hkv_, threads = std::max<int64_t>(1, at::get_num_threads());
+    const int64_t G = Hq_ / Hkv_, threads = std::max<int64_t>(1, team_threads());
     const int64_t per_thread = (M * Hq_ + 4 * threads - 1) / (4 * threads);
     const int64_t cap = std::min(kMaxItemQueries, std::max<int64_t>(G, per_thread));
     items_.clear();
@@ -4546,7 +4679,7 @@ class FastLlamaKernel {
     const bf16* kc = static_cast<const bf16*>(kc_[l].data_ptr());
     const bf16* vc = static_cast<const bf16*>(vc_[l].data_ptr());
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-    at::parallel_for(0, static_cast<int64_t>(items_.size()), 1, [&](int64_t i0, int64_t i1) {
+    team_for(0, static_cast<int64_t>(items_.size()), 1, [&](int64_t i0, int64_t i1) {
       thread_local std::vector<float> pbuf;
       thread_local std::vector<uint32_t> qbuf, wbuf, obuf;  // queries, weights, own weights: bfloat16 pairs
       for (int64_t i = i0; i < i1; ++i) {
@@ -4636,7 +4769,7 @@ class FastLlamaKernel {
     const KT* kc = static_cast<const KT*>(kc_[l].data_ptr());
     const KT* vc = static_cast<const KT*>(vc_[l].data_ptr());
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-    at::parallel_for(0, static_cast<int64_t>(items_.size()), 1, [&](int64_t i0, int64_t i1) {
+    team_for(0, static_cast<int64_t>(items_.size()), 1, [&](int64_t i0, int64_t i1) {
       thread_local std::vector<float> pbuf;
       thread_local std::vector<float> wbuf(JB * kGroupedHeadDim);  // a block's widened keys or values
       for (int64_t i = i0; i < i1; ++i) {
