@@ -1355,30 +1355,34 @@ def test_forward_greedy_is_the_argmax_of_forward(use_kernel: bool, dtype: str) -
 @requires_kernel
 @pytest.mark.parametrize("dtype", ["float32", "int8"])
 def test_kernel_logits_are_bitwise_the_same_on_one_two_and_three_threads(dtype: str) -> None:
-    """The kernel runs each forward in one parallel region whose threads spin between its parallel
-    calls (``team_drive``): the split must not change a bit, on fewer threads than cores or more
-    (three threads on a 2-core machine wait by yielding), and an error raised inside the region
-    must leave the kernel working."""
+    """With ``set_team`` the kernel runs each forward in one parallel region whose threads spin
+    between its parallel calls (``team_drive``; FastLlama turns it on for int4 and w4a8): with it
+    and without, on fewer threads than cores or more (three threads on a 2-core machine wait by
+    yielding), every logit is the same, and an error raised inside the region leaves the kernel
+    working."""
     hf = _llama()
     ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(5))
     fast = FastLlama.from_hf(hf, max_batch_size=2, dtype=dtype, use_kernel=True)
     before = torch.get_num_threads()
     got = {}
     try:
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            fast.reset(2)
-            pieces = [fast.forward(ids[:, :20])]
-            pieces += [fast.forward(ids[:, t : t + w]) for t, w in ((20, 1), (21, 2), (23, 5), (28, 12))]
-            got[threads] = torch.cat(pieces, dim=1)
-            n = 3
-            slots, pos = torch.zeros(n, dtype=torch.int64), torch.arange(n, dtype=torch.int64) + 40
-            bad_rows = torch.tensor([n], dtype=torch.int64)  # raised inside the region, by its first thread
-            with pytest.raises(RuntimeError, match="logit row out of range"):
-                fast._kernel.forward(ids[0, :n].contiguous(), slots, pos, bad_rows, None, argmax_only=False)
-            fast.truncate(torch.tensor([28, 28]))
-            again = fast.forward(ids[:, 28:40])
-            assert torch.equal(again, got[threads][:, 28:])
+        for team in (False, True):
+            fast._kernel.set_team(team)
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                fast.reset(2)
+                pieces = [fast.forward(ids[:, :20])]
+                pieces += [fast.forward(ids[:, t : t + w]) for t, w in ((20, 1), (21, 2), (23, 5), (28, 12))]
+                got[team, threads] = torch.cat(pieces, dim=1)
+                n = 3
+                slots, pos = torch.zeros(n, dtype=torch.int64), torch.arange(n, dtype=torch.int64) + 40
+                bad_rows = torch.tensor([n], dtype=torch.int64)  # raised inside the region
+                with pytest.raises(RuntimeError, match="logit row out of range"):
+                    fast._kernel.forward(ids[0, :n].contiguous(), slots, pos, bad_rows, None, False)
+                fast.truncate(torch.tensor([28, 28]))
+                again = fast.forward(ids[:, 28:40])
+                assert torch.equal(again, got[team, threads][:, 28:])
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(got[1], got[2]) and torch.equal(got[1], got[3])
+    first = got[False, 1]
+    assert all(torch.equal(first, g) for g in got.values())

@@ -433,16 +433,18 @@ inline void team_drive(const B& body) {
   if (error) std::rethrow_exception(error);
 }
 
-// f(m0, m1) over rows 0 .. M - 1, split between the threads from two rows: the work done a row at a
-// time between the products (their 8-bit activations, the norms, RoPE and the cache writes). The
-// activations alone took 4% of a 128-token w4a8 piece's time on one core while the other waited
-// (perf, session 47), and 5% of a 5-token step's (session 48). Through OpenMP regions this paid from
-// 8 rows only; handed to team_drive's spinning threads, it pays from 2: a 5-token w4a8 step at 200
-// cached tokens 4.44 / 4.88 -> 4.25 / 4.57 ms (benchmarks/kernel_ab.py, min / median, session 48).
-constexpr int64_t kParallelRows = 2;
+// f(m0, m1) over rows 0 .. M - 1, split between the threads: the work done a row at a time between
+// the products (their 8-bit activations, the norms, RoPE and the cache writes). The activations alone
+// took 4% of a 128-token w4a8 piece's time on one core while the other waited (perf, session 47),
+// and 5% of a 5-token step's (session 48). Through an OpenMP region of its own this pays from 8 rows
+// (9 and 13 tokens 0.7-1.7% faster than from 16; from 4, five tokens no faster); handed to
+// team_drive's spinning threads, from 2 (a 5-token w4a8 step at 200 cached tokens 4.44 / 4.88 ->
+// 4.25 / 4.57 ms, benchmarks/kernel_ab.py min / median, session 48).
+constexpr int64_t kParallelRows = 8;
+constexpr int64_t kTeamParallelRows = 2;
 template <typename F>
 inline void rows_in_parallel(int64_t M, const F& f) {
-  if (M < kParallelRows) return f(0, M);
+  if (M < (t_team != nullptr ? kTeamParallelRows : kParallelRows)) return f(0, M);
   team_for(0, M, 1, f);
 }
 
@@ -3878,6 +3880,12 @@ class FastLlamaKernel {
   // (`quantize_blocks8`: the w4a8 format) instead of int16 rows (int4).
   void set_act8(bool on) { act8_ = on; }
 
+  // Whether each forward runs in one parallel region (`team_drive`) instead of one OpenMP region
+  // per parallel call. Every logit is the same either way. On for int4 and w4a8 (FastLlama), whose
+  // steps it makes 3-8% faster; int8's one- and two-token steps ran up to a quarter slower with it
+  // in the machine's fast phases (row-major int8 tiles, session 48), float32 and bfloat16 no faster.
+  void set_team(bool on) { team_ = on; }
+
   // The int8 head and embedding of int4 and w4a8 (`set_head`, which must come first) also as exact
   // 8-bit blocks in `q8_pack`'s layout (either may be None): head products then multiply them in
   // integers (`q8_tile`, `q8a8_tile`), and embedding rows are read from them exactly. A tied head
@@ -4238,13 +4246,18 @@ class FastLlamaKernel {
         TORCH_CHECK(ctx_[m] >= 0 && ctx_[m] <= ps[m], "ctx must lie in [0, pos]");
     }
     at::Tensor out;
-    team_drive([&] {
+    auto body = [&] {
       switch (wtype_) {
         case at::kBFloat16: out = run<bf16>(M, id, x_in, sl, ps, logit_rows, false); break;
         case at::kChar: out = run<i8>(M, id, x_in, sl, ps, logit_rows, false); break;
         default: out = run<float>(M, id, x_in, sl, ps, logit_rows, argmax_only && screen_.w.defined());
       }
-    });
+    };
+    if (team_) {
+      team_drive(body);
+    } else {
+      body();
+    }
     return out;
   }
 
@@ -4843,6 +4856,7 @@ class FastLlamaKernel {
   bool kv_bf16_ = false;  // the caches hold bfloat16 in `attention_bf16`'s layouts (`bf16_key_at`)
   int64_t q4_rows_ = kBlockMostRows;  // calls of up to this many tokens read 4-bit blocks (`set_q4`)
   bool act8_ = false;                 // block matrices (`add_layer_q4`, `set_q8i`) take 8-bit activations
+  bool team_ = false;                 // forwards run in one parallel region (`set_team`)
   int64_t head_q8_rows_ = kBlockMostRows;  // whole-head logits of up to this many rows read 8-bit blocks
   Schedule schedule_;
   at::Tensor hidden_;
@@ -4872,6 +4886,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_head_blocks", &FastLlamaKernel::set_head_blocks, pybind11::arg("embed"), pybind11::arg("final_norm"),
            pybind11::arg("head"))
       .def("set_act8", &FastLlamaKernel::set_act8)
+      .def("set_team", &FastLlamaKernel::set_team)
       .def("set_head", &FastLlamaKernel::set_head)
       .def("set_paired", &FastLlamaKernel::set_paired)
       .def("set_amx", &FastLlamaKernel::set_amx)
