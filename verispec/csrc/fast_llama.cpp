@@ -3882,8 +3882,9 @@ class FastLlamaKernel {
 
   // Whether each forward runs in one parallel region (`team_drive`) instead of one OpenMP region
   // per parallel call. Every logit is the same either way. On for int4 and w4a8 (FastLlama), whose
-  // steps it makes 3-8% faster; int8's one- and two-token steps ran up to a quarter slower with it
-  // in the machine's fast phases (row-major int8 tiles, session 48), float32 and bfloat16 no faster.
+  // steps it makes 4-10% faster (the fastest of alternating rounds); int8's one- and two-token
+  // steps ran up to a quarter slower with it in the machine's fast phases (row-major int8 tiles),
+  // float32 and bfloat16 no faster (session 48).
   void set_team(bool on) { team_ = on; }
 
   // The int8 head and embedding of int4 and w4a8 (`set_head`, which must come first) also as exact

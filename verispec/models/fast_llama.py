@@ -120,8 +120,9 @@ KERNEL_ONLY_DTYPES = ("int4", "w4a8")
 activations for int4, 8-bit blocks of activations for w4a8): no torch path serves them."""
 TEAM_DTYPES = ("int4", "w4a8")
 """Formats whose kernel runs each forward in one parallel region (the kernel's ``set_team``): their
-steps 3-8% faster; int8's one- and two-token steps were up to a quarter slower that way in the
-machine's fast phases, float32 and bfloat16 no faster (benchmarks/README.md, session 48)."""
+steps 4-10% faster (the fastest of alternating rounds; 1-6% by the median). int8's one- and
+two-token steps were up to a quarter slower that way in the machine's fast phases, float32 and
+bfloat16 no faster (benchmarks/README.md, session 48)."""
 # RoPE variants whose frequencies do not depend on the sequence length, so a precomputed table is
 # exact. ("dynamic" and "longrope" rescale with the length and are not supported.)
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
