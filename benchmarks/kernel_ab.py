@@ -69,8 +69,6 @@ def main() -> None:
     for src in args.sources:
         fast_llama._SRC = src.resolve()
         modules.append(fast_llama.compile_kernel(flags)[0])
-        if not hasattr(modules[-1].FastLlamaKernel, "set_team"):  # a source from before session 48
-            modules[-1].FastLlamaKernel.set_team = lambda self, on: None
         if args.own_weights:
             fast_llama._kernel_module = modules[-1]
             models.append(load_model(args.model, dtype=args.dtype, max_length=max_length))

@@ -96,8 +96,6 @@ def main() -> None:
         src.write_text(instrument(args.source.read_text()))
         fast_llama._SRC = src
         module = fast_llama.compile_kernel(fast_llama.kernel_flags())[0]
-    if not hasattr(module.FastLlamaKernel, "set_team"):  # a source from before session 48
-        module.FastLlamaKernel.set_team = lambda self, on: None
     fast_llama._kernel_module = module
     model = load_model(args.model, dtype=args.dtype, max_length=args.context + 2 * max(args.widths))
     gen = torch.Generator().manual_seed(0)

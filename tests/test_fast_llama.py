@@ -1355,11 +1355,10 @@ def test_forward_greedy_is_the_argmax_of_forward(use_kernel: bool, dtype: str) -
 @requires_kernel
 @pytest.mark.parametrize("dtype", ["float32", "int8"])
 def test_kernel_logits_are_bitwise_the_same_on_one_two_and_three_threads(dtype: str) -> None:
-    """With ``set_team`` the kernel runs each forward in one parallel region whose threads spin
-    between its parallel calls (``team_drive``; FastLlama turns it on for int4 and w4a8): with it
-    and without, on fewer threads than cores or more (three threads on a 2-core machine wait by
-    yielding), every logit is the same, and an error raised inside the region leaves the kernel
-    working."""
+    """The kernel runs each forward in one parallel region whose threads spin between its parallel
+    calls (``team_drive``; ``set_team(False)``: one OpenMP region per call instead): either way,
+    on fewer threads than cores or more (three threads on a 2-core machine wait by yielding), every
+    logit is the same, and an error raised inside the region leaves the kernel working."""
     hf = _llama()
     ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(5))
     fast = FastLlama.from_hf(hf, max_batch_size=2, dtype=dtype, use_kernel=True)

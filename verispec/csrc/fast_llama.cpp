@@ -350,6 +350,16 @@ inline void team_wait(const F& ready) {
 // Threads of the parallel calls: the team's inside a team_drive, else at::get_num_threads().
 inline int64_t team_threads() { return t_team ? t_team->threads : at::get_num_threads(); }
 
+// f(b0, b1) in a frame of its own. Inlined into team_for, the first thread's chunk kept its loop
+// variables in the caller's frame, beside the variables that f captures by reference and the other
+// threads read all through their chunks: every write of the first thread's took those lines from
+// them. int8's one-row products ran a third slower so in the first thread (its chunk's cycles,
+// `rdtsc`), a fifth in the others; out of line, as fast as in an OpenMP region (session 48).
+template <typename F>
+__attribute__((noinline)) void team_chunk(const F& f, int64_t b0, int64_t b1) {
+  f(b0, b1);
+}
+
 // f(b0, b1) over [begin, end), split as at::parallel_for splits it.
 template <typename F>
 inline void team_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
@@ -371,7 +381,7 @@ inline void team_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   std::exception_ptr own;
   t_team_busy = true;
   try {
-    f(begin, std::min(end, begin + s->chunk));
+    team_chunk(f, begin, std::min(end, begin + s->chunk));
   } catch (...) {
     own = std::current_exception();
   }
@@ -3880,11 +3890,8 @@ class FastLlamaKernel {
   // (`quantize_blocks8`: the w4a8 format) instead of int16 rows (int4).
   void set_act8(bool on) { act8_ = on; }
 
-  // Whether each forward runs in one parallel region (`team_drive`) instead of one OpenMP region
-  // per parallel call. Every logit is the same either way. On for int4 and w4a8 (FastLlama), whose
-  // steps it makes 4-10% faster (the fastest of alternating rounds); int8's one- and two-token
-  // steps ran up to a quarter slower with it in the machine's fast phases (row-major int8 tiles),
-  // float32 and bfloat16 no faster (session 48).
+  // Whether each forward runs in one parallel region (`team_drive`, the default) instead of one
+  // OpenMP region per parallel call. Every logit is the same either way; for tests and A/B runs.
   void set_team(bool on) { team_ = on; }
 
   // The int8 head and embedding of int4 and w4a8 (`set_head`, which must come first) also as exact
@@ -4857,7 +4864,7 @@ class FastLlamaKernel {
   bool kv_bf16_ = false;  // the caches hold bfloat16 in `attention_bf16`'s layouts (`bf16_key_at`)
   int64_t q4_rows_ = kBlockMostRows;  // calls of up to this many tokens read 4-bit blocks (`set_q4`)
   bool act8_ = false;                 // block matrices (`add_layer_q4`, `set_q8i`) take 8-bit activations
-  bool team_ = false;                 // forwards run in one parallel region (`set_team`)
+  bool team_ = true;                  // forwards run in one parallel region (`set_team`)
   int64_t head_q8_rows_ = kBlockMostRows;  // whole-head logits of up to this many rows read 8-bit blocks
   Schedule schedule_;
   at::Tensor hidden_;

@@ -118,11 +118,6 @@ DTYPES = ("float32", "bfloat16", "int8", "int4", "w4a8")
 KERNEL_ONLY_DTYPES = ("int4", "w4a8")
 """Formats whose layers the kernel alone holds (a Q4_1 model's own 4-bit blocks, against int16
 activations for int4, 8-bit blocks of activations for w4a8): no torch path serves them."""
-TEAM_DTYPES = ("int4", "w4a8")
-"""Formats whose kernel runs each forward in one parallel region (the kernel's ``set_team``): their
-steps 4-10% faster (the fastest of alternating rounds; 1-6% by the median). int8's one- and
-two-token steps were up to a quarter slower that way in the machine's fast phases, float32 and
-bfloat16 no faster (benchmarks/README.md, session 48)."""
 # RoPE variants whose frequencies do not depend on the sequence length, so a precomputed table is
 # exact. ("dynamic" and "longrope" rescale with the length and are not supported.)
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
@@ -1050,7 +1045,6 @@ class FastLlama:
         if w.get("head_q8") is not None:
             k.set_head_q8(w["head_q8"])
         k.set_act8(self.dtype == "w4a8")
-        k.set_team(self.dtype in TEAM_DTYPES)
         k.set_block_rows(self.q4_rows, self.head_q8_rows)
         if "head_screen" in w:
             sc = w["head_screen"]
