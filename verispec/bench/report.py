@@ -279,7 +279,7 @@ def goal_checks(results: dict) -> list[dict]:
         add(f"forward over 5 new tokens <= 1.3x one token{label}", _fmt(v), None if v is None else v <= 1.3)
     llama = {c: _row(rows, "llama.cpp", c) for c in key_cats}
     for dtype in results.get("by_dtype", {}):
-        if dtype == "float32" or not all(llama.values()):
+        if dtype == "float32" or not key_cats or not all(llama.values()):  # nothing to judge
             continue
         label = f"autoregressive [{dtype}]"
         ratios = {
