@@ -350,11 +350,11 @@ inline void team_wait(const F& ready) {
 // Threads of the parallel calls: the team's inside a team_drive, else at::get_num_threads().
 inline int64_t team_threads() { return t_team ? t_team->threads : at::get_num_threads(); }
 
-// f(b0, b1) in a frame of its own. Inlined into team_for, the first thread's chunk kept its loop
-// variables in the caller's frame, beside the variables that f captures by reference and the other
-// threads read all through their chunks: every write of the first thread's took those lines from
-// them. int8's one-row products ran a third slower so in the first thread (its chunk's cycles,
-// `rdtsc`), a fifth in the others; out of line, as fast as in an OpenMP region (session 48).
+// f(b0, b1) in a frame of its own. Inlined into team_for, the first thread's chunk made int8's
+// one-row products a third slower in that thread (its chunks' cycles, `rdtsc`) and a fifth in the
+// other; out of line, they run as fast as in an OpenMP region (session 48). Likely cause: inlined,
+// its loop variables sat on the cache lines of the variables that f captures by reference and the
+// other threads read all through their chunks, so each of its writes took those lines from them.
 template <typename F>
 __attribute__((noinline)) void team_chunk(const F& f, int64_t b0, int64_t b1) {
   f(b0, b1);
