@@ -324,7 +324,7 @@ struct TeamState {
   alignas(64) std::atomic<uint64_t> epoch{0};  // the last job posted; the threads' done[t] follow it
   alignas(64) void (*call)(const void*, int64_t, int64_t) = nullptr;
   const void* fn = nullptr;
-  int64_t begin = 0, end = 0, chunk = 0, tasks = 0;
+  int64_t begin = 0, end = 0, chunk = 0;
   int threads = 1;
   bool exit = false;
   Slot done[kMost];
@@ -375,7 +375,6 @@ inline void team_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   s->begin = begin;
   s->end = end;
   s->chunk = (n + tasks - 1) / tasks;
-  s->tasks = tasks;
   const uint64_t job = s->epoch.load(std::memory_order_relaxed) + 1;
   s->epoch.store(job, std::memory_order_release);
   std::exception_ptr own;
@@ -400,8 +399,8 @@ inline void team_serve(TeamState* s, int tid) {
     team_wait([&] { return (job = s->epoch.load(std::memory_order_acquire)) != seen; });
     seen = job;
     if (s->exit) return;
-    const int64_t b0 = s->begin + tid * s->chunk;
-    if (tid < s->tasks && b0 < s->end) {
+    const int64_t b0 = s->begin + tid * s->chunk;  // past the end for threads beyond the tasks
+    if (b0 < s->end) {
       t_team_busy = true;
       try {
         s->call(s->fn, b0, std::min(s->end, b0 + s->chunk));
@@ -444,9 +443,9 @@ inline void team_drive(const B& body) {
 }
 
 // f(m0, m1) over rows 0 .. M - 1, split between the threads: the work done a row at a time between
-// the products (their 8-bit activations, the norms, RoPE and the cache writes). The activations alone
-// took 4% of a 128-token w4a8 piece's time on one core while the other waited (perf, session 47),
-// and 5% of a 5-token step's (session 48). Through an OpenMP region of its own this pays from 8 rows
+// the products (their 8-bit activations, the norms, RoPE, the cache writes and SwiGLU). The
+// activations alone took 4% of a 128-token w4a8 piece's time on one core while the other waited
+// (perf, session 47), and 5% of a 5-token step's (session 48). Through an OpenMP region of its own this pays from 8 rows
 // (9 and 13 tokens 0.7-1.7% faster than from 16; from 4, five tokens no faster); handed to
 // team_drive's spinning threads, from 2 (a 5-token w4a8 step at 200 cached tokens 4.44 / 4.88 ->
 // 4.25 / 4.57 ms, benchmarks/kernel_ab.py min / median, session 48).
@@ -3109,7 +3108,7 @@ inline void store1(float* p, float v) { *p = v; }
 template <typename T>
 void swiglu_rows(const T* gu, const float* scale, int64_t M, int64_t I, T* out) {
   const int64_t I8 = I - I % 8;
-  team_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+  rows_in_parallel(M, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       const T* g = gu + m * 2 * I;
       T* a = out + m * I;
