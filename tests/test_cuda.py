@@ -2,7 +2,7 @@
 the CPU, and speculative greedy output still equals plain greedy output there.
 
 Every test but the device-resolution ones is skipped where torch sees no GPU (CI has none); they were
-run on a lent H200 (see benchmarks/README.md, "On a GPU").
+run on a lent H200 (see benchmarks/SESSIONS.md, "On a GPU").
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Speculation pays only when the tokens a step is expected to emit outgrow what th
 On a CPU that cost is far from the idealised 1 (Leviathan et al., 2023), and it differs by machine
 and weight format: a forward over 5 tokens cost 1.0-1.2 one-token steps with float32 weights on the
 Xeon of sessions 9-17, 2.1 on a Zen 3 EPYC reading float32 from the GGUF's 4-bit blocks, and 1.3-1.6
-with int8 weights (``benchmarks/README.md``); it also moves with the context's length and the
+with int8 weights (``benchmarks/SESSIONS.md``); it also moves with the context's length and the
 machine's load. So the engine times every step by its width (tokens per row) and its context and
 keeps the figures per target (:func:`costs_for`), starting from a curve measured once per machine
 where the target has one, and :func:`best_draft_length` picks, per row, the draft length with
@@ -35,7 +35,7 @@ def context_bucket(context: int) -> int:
 
     A wider step's extra cost grows with the context: its attention reads the cache once per token
     while the weights are read once for all. SmolLM2-135M, int8 weights, on the Xeon (median of 9,
-    ``benchmarks/README.md``, session 15): 5 tokens over 1 cost 1.22 at 50 cached tokens, 1.23 at 200,
+    ``benchmarks/SESSIONS.md``, session 15): 5 tokens over 1 cost 1.22 at 50 cached tokens, 1.23 at 200,
     1.40 at 500, 1.41 at 1000 and 1.53 at 1500; 9 tokens 1.82, 1.85, 2.34, 2.23 and 2.35.
     """
     return (max(0, context) // CONTEXT_BUCKET_TOKENS).bit_length()
@@ -229,7 +229,7 @@ seed, whose response must not depend on measured times): ``v(w) = 1 + 0.1 (w - 1
 tokens, within what this project measured for its quantised formats on CPUs (1.3-1.7 in w4a8 and
 int8; float32 1.97, a GPU near 1). Not the optimistic :data:`PRIOR_EXTRA_TOKEN_COST`, whose optimism
 measurement corrects: these rows are never measured. w4a8 at temperature 0.7 and top-p 0.9, ten
-Spec-Bench prompts per category, seed 0 (benchmarks/README.md, session 44, runs Q and R): at 0.05,
+Spec-Bench prompts per category, seed 0 (benchmarks/SESSIONS.md, session 44, runs Q and R): at 0.05,
 21-22% of the drafted tokens were accepted and prompt lookup ran 1.02x plain (two cells below
 0.95x); at 0.1, 27-29% and 1.04x (one cell)."""
 
@@ -265,7 +265,7 @@ break-even by a margin (at 1.5 a copied token must be accepted 1.5 times as ofte
 Replaying the rule on held-out Spec-Bench outputs (``benchmarks/lookup_rule.py``, questions 6-9 of
 each category) favoured 1.5 by 0.2-2% overall, but the one benchmark run with 1.5 cut prompt
 lookup's tokens per call on extraction and rag (float32 2.3 -> 2.0, 1.66 -> 1.49) for no gain on
-coding, so the plain figures stay the default (see benchmarks/README.md, session 3 second pass)."""
+coding, so the plain figures stay the default (see benchmarks/SESSIONS.md, session 3 second pass)."""
 
 
 def best_draft_length(

@@ -28,7 +28,7 @@
 // so the property above holds for either. At long contexts decoding reads the cache about as much
 // as the int8 weights (SmolLM2-135M at 1500 tokens: 69 MB of float32 keys and values, 135 MB of
 // weights); on the Xeon float16 took an int8 step at 800 cached tokens from 13.6 to 12.0 ms (one
-// token) and 18.6 to 16.4 ms (five; min of 8 interleaved rounds; benchmarks/README.md, session 14).
+// token) and 18.6 to 16.4 ms (five; min of 8 interleaved rounds; benchmarks/SESSIONS.md, session 14).
 //
 // Compiled at first use by torch.utils.cpp_extension.load with -mavx2 -mfma (and -mavx512vnni
 // -mavx512vl -mavx512bw where the CPU has them; every build gives bitwise the same integers; and
@@ -2719,7 +2719,7 @@ inline void bf16_weighted(const uint32_t* const* pp, const bf16* v, int64_t i0, 
 // Attention of several queries at once in 512-bit registers, for head dimension kGroupedHeadDim,
 // every output bitwise the same as the 256-bit code's above, only faster where queries share a
 // key-value head (GQA, and the tokens of a verification). On the Xeon, one thread, 1504 keys in
-// L2, ms per 30 layers (benchmarks/README.md, session 14): five queries' scores 0.65 -> 0.52-0.57,
+// L2, ms per 30 layers (benchmarks/SESSIONS.md, session 14): five queries' scores 0.65 -> 0.52-0.57,
 // their weighted sums 0.64 -> 0.32.
 
 // 16 keys' or values' elements, widened to float32.
@@ -4607,7 +4607,7 @@ class FastLlamaKernel {
   // once for more queries). Grouping never changes a query's arithmetic. One token's KV heads were split 1 + 2 over the threads before, each read by
   // both cores; whole, with the 512-bit groups, one token at 1500 cached tokens took 2-3% less on
   // the Xeon (8 alternating rounds, min: int8 9.97 -> 9.70 ms, float32 26.06 -> 25.29; five tokens
-  // unchanged, their items already whole groups; benchmarks/README.md, session 14).
+  // unchanged, their items already whole groups; benchmarks/SESSIONS.md, session 14).
   struct AttnItem {
     int64_t slot, g, begin, end;  // queries_[begin .. end)
   };

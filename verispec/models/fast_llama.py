@@ -44,7 +44,7 @@ Before (L1 prefetch every 32 bytes, same script, same hour): float32 36.1 / 40.2
 28.4, int8 10.1 / 15.4. Earlier, HF eager 66 / 107 and the torch path float32 63 / 75. Session 9
 (tiles of two weight pairs in all 32 AVX-512 registers, context 200, a slow-memory phase): int8
 5.2-6.3 / 6.7-8.1, float32 17.5-20.3 / 20.1-23.5. In the machine's fast-memory phases one token
-gets faster and five do not: float32 about 12 / 16-17.6, int8 5.0 / 8.6 (benchmarks/README.md).
+gets faster and five do not: float32 about 12 / 16-17.6, int8 5.0 / 8.6 (benchmarks/SESSIONS.md).
 
 Which tiles serve passes of few rows, and whether a one-row pass prefetches in software, is chosen
 per machine by timing (``kernel_schedule``, :mod:`verispec.models.schedule`): the EPYC's defaults
