@@ -76,7 +76,7 @@ def llama_cpp_failure_note(failure: str, cpu: str) -> str:
     if "amx" in cpu and failure.startswith("killed by"):
         note += (
             "; its AMX path has crashed on such CPUs, and a build without AMX runs"
-            " (benchmarks/README.md, \"Reproduce\", gives the CMAKE_ARGS)"
+            ' (benchmarks/README.md, "Reproduce", gives the CMAKE_ARGS)'
         )
     return note
 
