@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from verispec.adaptive import expected_speedup
 from verispec.bench.cli import build_configs
@@ -20,7 +21,10 @@ from verispec.bench.measure import (
 from verispec.bench.methods import MethodConfig
 from verispec.bench.prompts import default_prompts_path, load_prompts, select
 from verispec.cli import main
+from verispec.models.fast_llama import kernel_available
 from verispec.stats import GenerationStats
+
+requires_kernel = pytest.mark.skipif(not kernel_available(), reason="C++ kernel could not be built here")
 
 ROW_FIELDS = set(
     "method category num_speculative_tokens prompts new_tokens seconds tokens_per_second "
@@ -53,6 +57,8 @@ def test_bench_writes_results_table_and_plots(tiny_model_folder, prompts_file, t
         return {**costs, 5: next(readings)}
 
     monkeypatch.setattr(bench_cli, "verify_costs", verify_costs)
+    roundtrips = iter([60.0, 62.0, 340.0])  # the cores near, near, then far apart (ns)
+    monkeypatch.setattr(bench_cli, "core_roundtrip_ns", lambda: next(roundtrips))
     out = tmp_path / "out"
     code = main([
         "bench", "--model", str(tiny_model_folder), "--prompts", str(prompts_file), "--max-new-tokens", "8",
@@ -80,6 +86,13 @@ def test_bench_writes_results_table_and_plots(tiny_model_folder, prompts_file, t
     assert verify == {"before": 3.0, "during": [1.2, 1.1]}
     assert results["verify_cost_ratio"] == 1.2
     assert "median of 3 readings through the run, 1.10-3.00" in (out / "results.md").read_text()
+    # each reading after a prompt beside how far apart the cores were: split where they moved
+    assert results["core_roundtrip_ns_samples"] == {"before": 60.0, "during": [62.0, 340.0]}
+    place = results["by_dtype"]["float32"]["verify_cost_ratio_by_placement"]
+    assert place["near"] == {"readings": 1, "verify_cost_ratio": 1.2, "roundtrip_ns": 62.0}
+    assert place["far"] == {"readings": 1, "verify_cost_ratio": 1.1, "roundtrip_ns": 340.0}
+    split = "1.20 in the 1 readings with the cores 62 ns apart (round trip), 1.10 in the 1 with them 340 ns"
+    assert split in (out / "results.md").read_text()
     # beside the ratio, the step times it divides (medians of the same readings)
     ms = results["by_dtype"]["float32"]["verify_step_ms"]
     assert set(ms) == {"1", "5"} and 0 < ms["1"] < ms["5"] * 10
@@ -575,3 +588,33 @@ def test_a_formats_line_says_where_its_prompts_run() -> None:
     assert _kernel_prompts(1 << 30) == ", every prompt on the kernel"
     assert _kernel_prompts(2048) == ", kernel prompts up to 2048 tokens"
     assert _kernel_prompts(None) == ""
+
+
+def test_verify_readings_split_by_placement_only_where_the_cores_moved() -> None:
+    from verispec.bench.measure import by_placement
+
+    ratios = [1.2, 1.3, 1.7, 1.6, 1.25]
+    place = by_placement(ratios, [60.0, 65.0, 340.0, 350.0, None])  # the last reading had no probe
+    assert place is not None and 65.0 < place["roundtrip_cut_ns"] < 340.0
+    assert place["near"] == {"readings": 2, "verify_cost_ratio": 1.25, "roundtrip_ns": 62.5}
+    assert place["far"] == {"readings": 2, "verify_cost_ratio": 1.65, "roundtrip_ns": 345.0}
+    assert by_placement(ratios, [60.0, 70.0, 80.0, 90.0, 100.0]) is None  # one placement all run
+    assert by_placement(ratios, [None] * 5) is None  # no kernel: never read
+
+
+@requires_kernel
+def test_core_roundtrip_is_read_between_two_threads_and_not_with_one() -> None:
+    from verispec.bench.measure import core_roundtrip_ns
+    from verispec.models.fast_llama import _load_kernel
+
+    kernel = _load_kernel()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        ns = kernel.core_roundtrip_ns()
+        assert 1.0 < ns < 2e6  # a cache line's trip, not a time slice (2 ms at most per trial)
+        assert core_roundtrip_ns() == pytest.approx(ns, rel=100)
+        torch.set_num_threads(1)
+        assert kernel.core_roundtrip_ns() == -1.0 and core_roundtrip_ns() is None
+    finally:
+        torch.set_num_threads(before)

@@ -20,7 +20,9 @@ import torch
 from verispec.bench.ceiling import add_copy_ceilings
 from verispec.bench.measure import (
     bandwidth_probe,
+    by_placement,
     conditional_acceptance,
+    core_roundtrip_ns,
     draft_lengths,
     forward_seconds,
     load_average,
@@ -388,9 +390,14 @@ def run(args: argparse.Namespace) -> int:
     # The verify cost is read again after every prompt, like the bandwidth: one reading before the
     # run swung with the machine's state (float32 0.97-1.39 across runs of the same code).
     verify_during: dict[str, list[float]] = {d: [] for d in targets}
+    # How far apart the cores are, beside each reading: on a VM they can move between an L3 shared
+    # and two CCDs within minutes, and multi-token steps pay for the data their threads pass.
+    roundtrip_before = core_roundtrip_ns()
+    roundtrip_during: list[float | None] = []
 
     def between_prompts() -> None:
         bandwidth_during.append(memory_bandwidth(reps=3, probe=probe))
+        roundtrip_during.append(core_roundtrip_ns())
         for d, t in targets.items():
             reading = verify_costs(t, [5], reps=3, greedy=sampling.greedy, seconds=step_seconds[d])
             verify_during[d].append(reading[5])
@@ -464,6 +471,8 @@ def run(args: argparse.Namespace) -> int:
             # The median of every reading: before the run (9 rounds) and after each prompt (3).
             "verify_cost_ratio": statistics.median([costs[d][5], *verify_during[d]]),
             "verify_cost_ratio_samples": {"before": costs[d][5], "during": verify_during[d]},
+            # The readings taken after prompts, split by the core round trip read beside them.
+            "verify_cost_ratio_by_placement": by_placement(verify_during[d], roundtrip_during),
             "verify_cost_by_tokens": {str(k): v for k, v in costs[d].items()},
             # The times the ratio divides, medians of every reading (ms): one token and five.
             "verify_step_ms": {str(k): statistics.median(step_seconds[d][k]) * 1e3 for k in (1, 5)},
@@ -512,6 +521,7 @@ def run(args: argparse.Namespace) -> int:
             "during": bandwidth_during,
             "after": bandwidth_after,
         },
+        "core_roundtrip_ns_samples": {"before": roundtrip_before, "during": roundtrip_during},
         "weight_bytes_per_token": first["weight_bytes_per_token"],
         "bandwidth_bound_tokens_per_second": first["bandwidth_bound_tokens_per_second"],
         "verify_cost_ratio": first["verify_cost_ratio"],

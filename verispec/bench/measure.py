@@ -108,6 +108,44 @@ def memory_bandwidth(
     return x.numel() * x.element_size() / seconds
 
 
+def core_roundtrip_ns() -> float | None:
+    """Nanoseconds for a cache line to go from one of torch's threads to another and back (the C++
+    kernel's ``core_roundtrip_ns``): about 60 where two cores share an L3, over 300 where they sit on
+    different CCDs. None without the compiled kernel or with one thread."""
+    from verispec.models import fast_llama
+
+    module = fast_llama.loaded_kernel()
+    if module is None or not hasattr(module, "core_roundtrip_ns"):
+        return None
+    ns = float(module.core_roundtrip_ns())
+    return ns if ns > 0 else None
+
+
+def by_placement(ratios: list[float], roundtrips: list[float | None]) -> dict | None:
+    """The verify-cost readings split by how far apart the cores were when each was taken: each
+    ratio is paired with the core round trip read beside it (:func:`core_roundtrip_ns`). Readings
+    whose round trip lies below the geometric mean of the least and the most are ``near``, the rest
+    ``far``; each part gives its readings, median ratio and median round trip (ns). None when the
+    round trips were not read, or their most is under twice their least (one placement all run)."""
+    pairs = [(r, t) for r, t in zip(ratios, roundtrips) if t is not None]
+    if not pairs:
+        return None
+    least, most = min(t for _, t in pairs), max(t for _, t in pairs)
+    if most < 2 * least:
+        return None
+    cut = (least * most) ** 0.5
+    out = {"roundtrip_cut_ns": cut}
+    near = [p for p in pairs if p[1] < cut]
+    far = [p for p in pairs if p[1] >= cut]
+    for name, part in (("near", near), ("far", far)):
+        out[name] = {
+            "readings": len(part),
+            "verify_cost_ratio": statistics.median(r for r, _ in part),
+            "roundtrip_ns": statistics.median(t for _, t in part),
+        }
+    return out
+
+
 def weight_bytes(model, dtype: str = "float32", greedy: bool = False, blocks: bool = True) -> int:
     """Bytes of weights the target reads per token: ``model.read_bytes(greedy)`` or
     ``model.weight_bytes()`` when the backend knows (a greedy step may read less: FastLlama's head

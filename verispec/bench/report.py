@@ -413,14 +413,25 @@ def _kernel_prompts(limit: int | None) -> str:
 def _verify_samples(by_dtype: dict) -> str:
     """`` (median of 27 readings through the run, 1.02-1.21; one token 3.02 ms, five 4.41 ms)`` for
     a weight format's verify-cost readings, if recorded (results before session 9 have one reading,
-    taken before the run; the median step times are there from session 38 on)."""
+    taken before the run; the median step times are there from session 38 on), and where the run
+    saw its cores both near and far apart, the median of each part (session 49)."""
     samples = by_dtype.get("verify_cost_ratio_samples")
     if not samples:
         return ""
     every = [samples["before"], *samples.get("during", [])]
     ms = by_dtype.get("verify_step_ms")
     times = f"; one token {ms['1']:.2f} ms, five {ms['5']:.2f} ms" if ms else ""
-    return f" (median of {len(every)} readings through the run, {min(every):.2f}-{max(every):.2f}{times})"
+    place = by_dtype.get("verify_cost_ratio_by_placement")
+    where = (
+        f"; {place['near']['verify_cost_ratio']:.2f} in the {place['near']['readings']} readings with the "
+        f"cores {place['near']['roundtrip_ns']:.0f} ns apart (round trip), "
+        f"{place['far']['verify_cost_ratio']:.2f} in the {place['far']['readings']} with them "
+        f"{place['far']['roundtrip_ns']:.0f} ns apart"
+        if place
+        else ""
+    )
+    spread = f"{min(every):.2f}-{max(every):.2f}"
+    return f" (median of {len(every)} readings through the run, {spread}{times}{where})"
 
 
 def _samples(samples: dict | None) -> str:

@@ -55,6 +55,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <exception>
 #include <cmath>
 #include <cstring>
@@ -1217,6 +1218,55 @@ bool bf16_attention_ready() {
 #else
   return false;
 #endif
+}
+
+// Nanoseconds for a cache line to go from one thread to another and back: the median of 5 trials
+// of up to 2048 round trips (each stopped after about 2 ms) between the first two threads of an OpenMP
+// region. It tells how far apart the cores are: about 60 ns where they share an L3, over 300 where
+// they sit on different CCDs of an AMD EPYC, where every product, norm and cache write of a
+// multi-token step pays for the data its threads pass each other (benchmarks/README.md). -1 with
+// fewer than two threads.
+double core_roundtrip_ns() {
+  if (at::get_num_threads() < 2 || at::in_parallel_region()) return -1.0;
+  constexpr int64_t kTrips = 2048;
+  constexpr double kMostSeconds = 2e-3;
+  std::vector<double> trials;
+  for (int trial = 0; trial < 5; ++trial) {
+    alignas(64) std::atomic<int64_t> flag{0};
+    int64_t trips = 0;
+    double seconds = 0.0;
+    bool pair = true;
+#pragma omp parallel
+    {
+      const int tid = omp_get_thread_num();
+      if (tid == 0 && omp_get_num_threads() < 2) pair = false;
+#pragma omp barrier
+      if (pair && tid == 0) {  // sends 2i + 1, waits for 2i + 2; -1 ends the trial
+        const auto start = std::chrono::steady_clock::now();
+        for (int64_t i = 0; i < kTrips; ++i) {
+          flag.store(2 * i + 1, std::memory_order_release);
+          team_wait([&] { return flag.load(std::memory_order_acquire) == 2 * i + 2; });
+          trips = i + 1;
+          if (trips % 64 != 0 && trips != kTrips) continue;  // the clock every 64 trips
+          seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+          if (seconds > kMostSeconds) break;
+        }
+        flag.store(-1, std::memory_order_release);
+      } else if (pair && tid == 1) {
+        for (int64_t seen = 0;;) {
+          int64_t f = 0;
+          team_wait([&] { return (f = flag.load(std::memory_order_acquire)) == -1 || (f > seen && f % 2 == 1); });
+          if (f == -1) break;
+          seen = f;
+          flag.store(f + 1, std::memory_order_release);
+        }
+      }
+    }
+    if (!pair) return -1.0;
+    trials.push_back(seconds / static_cast<double>(trips) * 1e9);
+  }
+  std::sort(trials.begin(), trials.end());
+  return trials[trials.size() / 2];
 }
 
 // Whether this build multiplies int8 weights held as tiles (`amx_pack`'s layout) with AVX-512 VNNI
@@ -4936,6 +4986,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_ready", &amx_ready);
   m.def("vnni_tiles_ready", &vnni_tiles_ready);
   m.def("bf16_attention_ready", &bf16_attention_ready);
+  m.def("core_roundtrip_ns", &core_roundtrip_ns);
   m.def("linear_rows", &linear_rows_op, pybind11::arg("x"), pybind11::arg("w"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("q4_pack", &q4_pack_op, pybind11::arg("q"), pybind11::arg("dm"));
