@@ -9,12 +9,17 @@ source, min / median ms per width.
 
     flock /tmp/verispec-cpu.lock python benchmarks/kernel_ab.py OLD.cpp NEW.cpp [MORE.cpp ...]
         [--dtype float32] [--rounds 8] [--reps 5] [--context 200] [--widths 1 2 3 4 5 6 9] [--own-weights]
+        [--placement]
 
 ``--own-weights``: for a change to how the weights are packed (``q4_pack``, ``q8_pack``), which one
 copy of the weights cannot serve: the model is loaded once per build, each packed by its own build,
 and each model's weight bytes are printed. The models then differ by where their weights land too;
 alternating keeps only the machine's drift out. (Session 43's ``benchmarks/layout_ab.py`` was this
 mode as a script of its own.)
+
+``--placement``: also split the rounds by where the two threads' cores sat (a VM's vCPUs can move
+between cores that share an L3 and cores on different CCDs within minutes, and multi-token steps
+follow; benchmarks/README.md), read before each round as ``verispec bench`` reads it.
 
 ``git show HEAD:verispec/csrc/fast_llama.cpp > /tmp/old.cpp`` gives the committed source. Both
 builds take the flags this CPU allows (``fast_llama.kernel_flags``).
@@ -58,6 +63,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--widths", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 9])
     ap.add_argument("--own-weights", action="store_true", help="one model per build, packed by it")
+    ap.add_argument(
+        "--placement", action="store_true", help="also split the rounds by where the two threads' cores sat"
+    )
     args = ap.parse_args()
     if len(args.sources) < 2:
         ap.error("give at least two sources")
@@ -81,16 +89,48 @@ def main() -> None:
         kernels = shared_weights(model, modules)
         models = [model] * len(kernels)
 
-    times: list[dict[int, list[float]]] = [{t: [] for t in args.widths} for _ in kernels]
-    runs = list(zip(models, kernels, times))
+    # times[i][r][T]: kernel i's seconds per step of T tokens in round r
+    times: list[list[dict[int, list[float]]]] = [[] for _ in kernels]
+    probe = next((m for m in reversed(modules) if hasattr(m, "core_roundtrip_ns")), None)
+    roundtrips: list[float] = []
     for r in range(args.rounds):
-        for model, kernel, got in runs if r % 2 == 0 else reversed(runs):  # each goes first half the time
-            model._kernel = kernel
-            for t, secs in time_forwards(model, args.widths, args.context, args.reps, "greedy").items():
-                got[t] += secs
-    for src, got in zip(args.sources, times):
-        cells = " ".join(f"{t}:{min(v) * 1e3:.2f}/{statistics.median(v) * 1e3:.2f}" for t, v in got.items())
-        print(f"{src}  {cells}")
+        if args.placement and probe is not None:
+            roundtrips.append(probe.core_roundtrip_ns())
+        order = list(range(len(kernels)))
+        for i in order if r % 2 == 0 else order[::-1]:  # each goes first half the time
+            models[i]._kernel = kernels[i]
+            times[i].append(time_forwards(models[i], args.widths, args.context, args.reps, "greedy"))
+    report(args.sources, times, range(args.rounds), "")
+    if args.placement:
+        split_by_placement(args.sources, times, roundtrips)
+
+
+def report(sources: list[Path], times: list[list[dict[int, list[float]]]], rounds: Any, label: str) -> None:
+    """Per source, min / median ms per width over the given rounds."""
+    for src, got in zip(sources, times):
+        per = {t: [s for r in rounds for s in got[r][t]] for t in got[0]}
+        cells = " ".join(f"{t}:{min(v) * 1e3:.2f}/{statistics.median(v) * 1e3:.2f}" for t, v in per.items())
+        print(f"{src}  {label}{cells}")
+
+
+def split_by_placement(
+    sources: list[Path], times: list[list[dict[int, list[float]]]], roundtrips: list[float]
+) -> None:
+    """The rounds again, split where the threads' cores sat: a cache line's round trip between two
+    threads read before each round (the kernel's ``core_roundtrip_ns``), cut at the geometric mean
+    of the least and the most as ``verispec bench`` cuts its verify readings."""
+    if not roundtrips or min(roundtrips) <= 0:
+        print("placement: not read (no build with core_roundtrip_ns, or one thread)")
+        return
+    least, most = min(roundtrips), max(roundtrips)
+    if most < 2 * least:
+        print(f"placement: one all run (round trips {least:.0f}-{most:.0f} ns)")
+        return
+    cut = (least * most) ** 0.5
+    for name, keep in (("near", lambda t: t < cut), ("far", lambda t: t >= cut)):
+        rounds = [r for r, t in enumerate(roundtrips) if keep(t)]
+        ns = statistics.median(roundtrips[r] for r in rounds)
+        report(sources, times, rounds, f"{name} ({len(rounds)} rounds, {ns:.0f} ns) ")
 
 
 if __name__ == "__main__":
