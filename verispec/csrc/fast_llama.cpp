@@ -446,9 +446,9 @@ inline void team_drive(const B& body) {
 // f(m0, m1) over rows 0 .. M - 1, split between the threads: the work done a row at a time between
 // the products (their 8-bit activations, the norms, RoPE, the cache writes and SwiGLU). The
 // activations alone took 4% of a 128-token w4a8 piece's time on one core while the other waited
-// (perf, session 47), and 5% of a 5-token step's (session 48). Through an OpenMP region of its own this pays from 8 rows
-// (9 and 13 tokens 0.7-1.7% faster than from 16; from 4, five tokens no faster); handed to
-// team_drive's spinning threads, from 2 (a 5-token w4a8 step at 200 cached tokens 4.44 / 4.88 ->
+// (perf, session 47), and 5% of a 5-token step's (session 48). Through an OpenMP region of its own
+// this pays from 8 rows (9 and 13 tokens 0.7-1.7% faster than from 16; from 4, five tokens no
+// faster); handed to team_drive's spinning threads, from 2 (a 5-token w4a8 step at 200 cached tokens 4.44 / 4.88 ->
 // 4.25 / 4.57 ms, benchmarks/kernel_ab.py min / median, session 48).
 constexpr int64_t kParallelRows = 8;
 constexpr int64_t kTeamParallelRows = 2;
@@ -458,18 +458,29 @@ inline void rows_in_parallel(int64_t M, const F& f) {
   team_for(0, M, 1, f);
 }
 
-// Asks for the lines of [p, p + bytes) to be written (PREFETCHW), all at once, in calls of at most
-// kPrefetchWriteRows rows (decoding steps, verifications): a line the other thread last read is
-// then taken from it while earlier stores still wait, not a store at a time. On the 2-core Zen 4
-// guest (w4a8 steps at 200 cached tokens, medians of four A/B runs, session 49) 2-5% faster at 1
-// and 5 tokens with both threads on one CCD, no change with them on two. Wider calls write more
-// than L1 holds ahead.
+// In a call of M rows, asks for the lines a thread is about to write, `rows` rows of `row_bytes`
+// each `stride` bytes apart from p, all at once (PREFETCHW): a line the other thread last read is
+// then taken from it while earlier stores still wait, not a store at a time. Only in calls of at
+// most kPrefetchWriteRows rows (decoding steps, verifications) and for at most L1's worth: wider
+// calls write more than L1 holds ahead (and the head's logits are fresh memory). On the 2-core
+// Zen 4 guest (w4a8 steps at 200 cached tokens, medians of four A/B runs, session 49) 2-5% faster
+// at 1 and 5 tokens with both threads on one CCD, no change with them on two.
 constexpr int64_t kPrefetchWriteRows = 8;
-constexpr int64_t kPrefetchWriteBytes = 32 << 10;  // a product's outputs per thread: at most L1
-inline void prefetch_w(const void* p, int64_t bytes) {
-  const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
-  const uintptr_t end = reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(bytes);
-  for (uintptr_t a = first; a < end; a += 64) asm volatile("prefetchw %0" : : "m"(*reinterpret_cast<const char*>(a)));
+constexpr int64_t kPrefetchWriteBytes = 32 << 10;
+inline void prefetch_for_write(int64_t M, const void* p, int64_t rows, int64_t row_bytes, int64_t stride) {
+  if (M > kPrefetchWriteRows || rows * row_bytes > kPrefetchWriteBytes) return;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uintptr_t start = reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(r * stride);
+    const uintptr_t end = start + static_cast<uintptr_t>(row_bytes);
+    for (uintptr_t a = start & ~uintptr_t{63}; a < end; a += 64)
+      asm volatile("prefetchw %0" : : "m"(*reinterpret_cast<const char*>(a)));
+  }
+}
+// The same for rows m0 .. m1 - 1 of a [M, n] array of T, each thread writing its rows whole.
+template <typename T>
+inline void prefetch_rows_for_write(int64_t M, const T* a, int64_t n, int64_t m0, int64_t m1) {
+  const int64_t row = n * static_cast<int64_t>(sizeof(T));
+  prefetch_for_write(M, a + m0 * n, m1 - m0, row, row);
 }
 
 // 16 int8 weights sign-extended to int16.
@@ -2182,7 +2193,7 @@ inline float sumsq(const float* x, int64_t n) {
 // Same order as HF's LlamaRMSNorm: weight * (x * rsqrt(mean(x^2) + eps)).
 void rmsnorm(const float* x, int64_t M, int64_t H, const float* w, float eps, float* y) {
   rows_in_parallel(M, [=](int64_t m0, int64_t m1) {
-    if (M <= kPrefetchWriteRows) prefetch_w(y + m0 * H, (m1 - m0) * H * static_cast<int64_t>(sizeof(float)));
+    prefetch_rows_for_write(M, y, H, m0, m1);
     for (int64_t m = m0; m < m1; ++m) {
       const float* xm = x + m * H;
       float* ym = y + m * H;
@@ -2531,11 +2542,9 @@ inline BlockRows8 block_rows8(const float* x, int64_t M, int64_t ldx, int64_t K,
   float* sp = sa.data();
   rows_in_parallel(M, [=](int64_t m0, int64_t m1) {
     const int64_t B = K / 32;
-    if (M <= kPrefetchWriteRows) {
-      prefetch_w(ap + m0 * K, (m1 - m0) * K);
-      prefetch_w(dp + m0 * B, (m1 - m0) * B * static_cast<int64_t>(sizeof(float)));
-      prefetch_w(sp + m0 * B, (m1 - m0) * B * static_cast<int64_t>(sizeof(float)));
-    }
+    prefetch_rows_for_write(M, ap, K, m0, m1);
+    prefetch_rows_for_write(M, dp, B, m0, m1);
+    prefetch_rows_for_write(M, sp, B, m0, m1);
     quantize_blocks8(x + m0 * ldx, m1 - m0, ldx, K, ap + m0 * K, dp + m0 * B, sp + m0 * B, offset);
   });
   return {ap, dp, sp};
@@ -2660,10 +2669,9 @@ void linear_q4_tiles(const float* x, int64_t M, int64_t ldx, const uint8_t* wt, 
   const int64_t B = K / 32, tiles = N / kQ4Tile;
   const float* as = rows_q.sums;
   team_for(0, (tiles + kQ4Group - 1) / kQ4Group, 1, [&](int64_t g0, int64_t g1) {
-    const int64_t c0 = g0 * kQ4Group * kQ4Tile, c1 = std::min(N, g1 * kQ4Group * kQ4Tile);
-    const int64_t row_bytes = (c1 - c0) * static_cast<int64_t>(sizeof(float));
-    if (M <= kPrefetchWriteRows && M * row_bytes <= kPrefetchWriteBytes)  // this thread's outputs (not the head's)
-      for (int64_t m = 0; m < M; ++m) prefetch_w(y + m * ldy + c0, row_bytes);
+    const int64_t c0 = g0 * kQ4Group * kQ4Tile, c1 = std::min(N, g1 * kQ4Group * kQ4Tile);  // its columns
+    constexpr int64_t F = sizeof(float);
+    prefetch_for_write(M, y + c0, M, (c1 - c0) * F, ldy * F);
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t t0 = g * kQ4Group, t1 = std::min<int64_t>(tiles, t0 + kQ4Group);
       const int64_t bstride = (t1 - t0) * kBlockBytes;  // between a tile's blocks
@@ -3183,7 +3191,7 @@ template <typename T>
 void swiglu_rows(const T* gu, const float* scale, int64_t M, int64_t I, T* out) {
   const int64_t I8 = I - I % 8;
   rows_in_parallel(M, [&](int64_t m0, int64_t m1) {
-    if (M <= kPrefetchWriteRows) prefetch_w(out + m0 * I, (m1 - m0) * I * static_cast<int64_t>(sizeof(T)));
+    prefetch_rows_for_write(M, out, I, m0, m1);
     for (int64_t m = m0; m < m1; ++m) {
       const T* g = gu + m * 2 * I;
       T* a = out + m * I;
@@ -4623,8 +4631,7 @@ class FastLlamaKernel {
                 const float* sin) {
     const int64_t D = D_, QKV = (Hq_ + 2 * Hkv_) * D_;
     rows_in_parallel(M, [&](int64_t m0, int64_t m1) {  // each token its own row and cache positions
-      if (M <= kPrefetchWriteRows)
-        prefetch_w(qkv_.data() + m0 * QKV, (m1 - m0) * QKV * static_cast<int64_t>(sizeof(float)));
+      prefetch_rows_for_write(M, qkv_.data(), QKV, m0, m1);
       for (int64_t m = m0; m < m1; ++m) {
         float* row = qkv_.data() + m * QKV;
         const float* c = cos + ctx_[m] * D;  // the RoPE position (ctx = pos but in trees)
