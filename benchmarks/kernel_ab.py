@@ -32,6 +32,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from verispec.bench.measure import placement_cut
 from verispec.models import fast_llama
 from verispec.models.loading import load_model
 from verispec.models.schedule import time_forwards
@@ -118,15 +119,12 @@ def split_by_placement(
 ) -> None:
     """The rounds again, split where the threads' cores sat: a cache line's round trip between two
     threads read before each round (the kernel's ``core_roundtrip_ns``), cut at the geometric mean
-    of the least and the most as ``verispec bench`` cuts its verify readings."""
-    if not roundtrips or min(roundtrips) <= 0:
-        print("placement: not read (no build with core_roundtrip_ns, or one thread)")
+    of the least and the most as ``verispec bench`` cuts its verify readings (``placement_cut``)."""
+    cut = placement_cut(roundtrips)
+    if cut is None:
+        seen = f"{min(roundtrips):.0f}-{max(roundtrips):.0f} ns" if roundtrips else "none"
+        print(f"placement: not split (round trips {seen}: one placement all run, or not read)")
         return
-    least, most = min(roundtrips), max(roundtrips)
-    if most < 2 * least:
-        print(f"placement: one all run (round trips {least:.0f}-{most:.0f} ns)")
-        return
-    cut = (least * most) ** 0.5
     for name, keep in (("near", lambda t: t < cut), ("far", lambda t: t >= cut)):
         rounds = [r for r, t in enumerate(roundtrips) if keep(t)]
         ns = statistics.median(roundtrips[r] for r in rounds)

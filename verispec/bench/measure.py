@@ -115,10 +115,20 @@ def core_roundtrip_ns() -> float | None:
     from verispec.models import fast_llama
 
     module = fast_llama.loaded_kernel()
-    if module is None or not hasattr(module, "core_roundtrip_ns"):
+    if module is None:
         return None
     ns = float(module.core_roundtrip_ns())
     return ns if ns > 0 else None
+
+
+def placement_cut(roundtrips: list[float]) -> float | None:
+    """Where core round trips (:func:`core_roundtrip_ns`, all read) split into near and far: the
+    geometric mean of the least and the most. None when there are none, or the most is under twice
+    the least (one placement all along)."""
+    if not roundtrips or min(roundtrips) <= 0:
+        return None
+    least, most = min(roundtrips), max(roundtrips)
+    return None if most < 2 * least else (least * most) ** 0.5
 
 
 def by_placement(ratios: list[float], roundtrips: list[float | None]) -> dict | None:
@@ -128,13 +138,10 @@ def by_placement(ratios: list[float], roundtrips: list[float | None]) -> dict | 
     ``far``; each part gives its readings, median ratio and median round trip (ns). None when the
     round trips were not read, or their most is under twice their least (one placement all run)."""
     pairs = [(r, t) for r, t in zip(ratios, roundtrips) if t is not None]
-    if not pairs:
+    cut = placement_cut([t for _, t in pairs])
+    if cut is None:
         return None
-    least, most = min(t for _, t in pairs), max(t for _, t in pairs)
-    if most < 2 * least:
-        return None
-    cut = (least * most) ** 0.5
-    out = {"roundtrip_cut_ns": cut}
+    out: dict = {"roundtrip_cut_ns": cut}
     near = [p for p in pairs if p[1] < cut]
     far = [p for p in pairs if p[1] >= cut]
     for name, part in (("near", near), ("far", far)):
