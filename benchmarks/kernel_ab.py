@@ -5,7 +5,8 @@ Two models loaded side by side can differ by a fifth or more with the same build
 the sources (versions of ``verispec/csrc/fast_llama.cpp``), loads the model once, builds one kernel
 object per source over the same weight tensors and cache, and times greedy steps of each width with
 each kernel in turn, round after round (each kernel first in every other round). It prints, per
-source, min / median ms per width.
+source, min / median ms per width, and for each source after the first its time against the
+first's paired by round (the median of the per-round ratios: drift over minutes cancels).
 
     flock /tmp/verispec-cpu.lock python benchmarks/kernel_ab.py OLD.cpp NEW.cpp [MORE.cpp ...]
         [--dtype float32] [--rounds 8] [--reps 5] [--context 200] [--widths 1 2 3 4 5 6 9] [--own-weights]
@@ -107,11 +108,25 @@ def main() -> None:
 
 
 def report(sources: list[Path], times: list[list[dict[int, list[float]]]], rounds: Any, label: str) -> None:
-    """Per source, min / median ms per width over the given rounds."""
-    for src, got in zip(sources, times):
+    """Per source, min / median ms per width over the given rounds, and for each source after the
+    first its time against the first's, paired by round: the median over rounds of the ratio of
+    the two builds' median steps in that round (the builds alternate within a round, so drift over
+    minutes cancels; 0.97x is 3% faster)."""
+    rounds = list(rounds)
+    for i, (src, got) in enumerate(zip(sources, times)):
         per = {t: [s for r in rounds for s in got[r][t]] for t in got[0]}
         cells = " ".join(f"{t}:{min(v) * 1e3:.2f}/{statistics.median(v) * 1e3:.2f}" for t, v in per.items())
+        if i > 0 and rounds:
+            ratios = {t: statistics.median(_round_ratio(got, times[0], r, t) for r in rounds) for t in got[0]}
+            cells += "  paired: " + " ".join(f"{t}:{q:.3f}x" for t, q in ratios.items())
         print(f"{src}  {label}{cells}")
+
+
+def _round_ratio(
+    got: list[dict[int, list[float]]], first: list[dict[int, list[float]]], r: int, t: int
+) -> float:
+    """A build's median step of width t in round r over the first build's in the same round."""
+    return statistics.median(got[r][t]) / statistics.median(first[r][t])
 
 
 def split_by_placement(
