@@ -5,7 +5,10 @@ part of a layer (the norms, the qkv product, writing the cache, attention, the o
 gate/up product, SwiGLU, the down product) and around the head, loads the model on it, and times
 greedy steps of each width after ``--context`` cached tokens (the cache truncated back after each),
 ``--steps`` of each width in a row. It prints, per width, the step's min / median ms and the mean
-microseconds per step in each part. The clock reads cost well under a microsecond each.
+microseconds per step in each part. The clock reads cost well under a microsecond each. Where
+w4a8 folds the jobs between its products into the jobs before them (the kernel's ``set_fuse``), its
+cache writes count in the qkv product, SwiGLU in the gate/up product, and the 8-bit activations of
+each product in the norm, attention or gate/up product that writes its input.
 
     flock /tmp/verispec-cpu.lock python benchmarks/step_phases.py [--dtype int8] [--widths 1 2 3 5 9]
         [--amx-rows 10 1] [--steps 100] [--context 200] [--source FILE]
@@ -34,15 +37,16 @@ PARTS = ["plan", "norms", "qkv", "write_kv", "attn", "wo", "gu", "swiglu", "down
 # Each statement of a layer's loop in `FastLlamaKernel::run`, and the part (index into PARTS) the
 # time up to its end is charged to.
 _LAYER = [
-    ("rmsnorm(x, M, H, L.in_norm.data_ptr<float>(), eps_, xn);", 1),
-    ("product<WT>(L.wqkv, xn, M, H, QKV, opt(L.bqkv), qkv, false);", 2),
-    ("write_kv(l, M, sl, ps, cos, sin);", 3),
+    ("norm(L.in_norm, q);", 1),
+    ("product<WT>(L.wqkv, xn, M, H, QKV, opt(L.bqkv), qkv, false, q, heads_at);", 2),
+    ("if (!heads_at) write_kv(l, M, sl, ps, cos, sin);", 3),
     ("attention(l, M, ps);", 4),
-    ("product<WT>(L.wo, att_.data(), M, HQD, H, opt(L.bo), x, true);", 5),
-    ("rmsnorm(x, M, H, L.post_norm.data_ptr<float>(), eps_, xn);", 1),
-    ("product<WT>(L.wgu, xn, M, H, 2 * I, nullptr, gu_.data(), false);", 6),
-    ("swiglu(M, I);", 7),
-    ("product<WT>(L.wdown, act_.data(), M, I, H, nullptr, x, true);", 8),
+    ("product<WT>(L.wo, att_.data(), M, HQD, H, opt(L.bo), x, true, att_ahead_);", 5),
+    ("norm(L.post_norm, q);", 1),
+    ("product<WT>(L.wgu, xn, M, H, 2 * I, nullptr, gu_.data(), false, q, &swiglu_done);", 6),
+    ("product<WT>(L.wgu, xn, M, H, 2 * I, nullptr, gu_.data(), false, q);", 6),
+    ("swiglu(M, I, qd);", 7),
+    ("product<WT>(L.wdown, act_.data(), M, I, H, nullptr, x, true, qd);", 8),
 ]
 _CLOCK = """#include <vector>
 #include <chrono>
@@ -66,10 +70,10 @@ def instrument(source: str) -> str:
         if out.count(line) != 1:
             raise SystemExit(f"the kernel's forward changed: no single line {stmt!r}")
         out = out.replace(line, f"      {stmt} PART({part})\n")
-    start = "    plan_attention(M, sl);\n    for (size_t l"
+    start = "    plan_attention(M, sl);\n"
     if start not in out or _HEAD not in out:
         raise SystemExit("the kernel's forward changed: no plan_attention or head call where expected")
-    timed = "    double last_ = now_us();\n    plan_attention(M, sl);\n    PART(0)\n    for (size_t l"
+    timed = "    double last_ = now_us();\n    plan_attention(M, sl);\n    PART(0)\n"
     out = out.replace(start, timed, 1)
     out = out.replace(_HEAD, "    PART(9)\n" + _HEAD.replace("\n", "\n    PART(10)\n", 1), 1)
     module = '  m.def("amx_ready", &amx_ready);'

@@ -162,6 +162,37 @@ def test_int4_holds_q8_0_heads_as_blocks_only(tied: bool) -> None:
 
 
 @requires_vnni
+@pytest.mark.parametrize("hidden", [64, 256])
+def test_w4a8_folded_jobs_give_the_same_logits(hidden: int) -> None:
+    """w4a8's products take 8-bit blocks quantised by the jobs that write their inputs, the qkv
+    product's threads write their own heads (head dimension 64) and the gate/up product's compute
+    SwiGLU over their columns (``set_fuse``). Against the separate jobs, on one, two and three
+    threads, in a team or not: a prompt, steps of 1, 2 and 5 tokens, every logit bitwise the same."""
+    hf = _q4_llama(hidden=hidden)
+    ids = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(4))
+    fast = FastLlama.from_hf(hf, dtype="w4a8", max_batch_size=2)
+    before = torch.get_num_threads()
+    got = {}
+    try:
+        for fuse in (False, True):
+            fast._kernel.set_fuse(fuse)
+            for team in (False, True):
+                fast._kernel.set_team(team)
+                for threads in (1, 2, 3):
+                    torch.set_num_threads(threads)
+                    fast.reset(2)
+                    pieces = [fast.forward(ids[:, :40])]
+                    pieces += [fast.forward(ids[:, t : t + w]) for t, w in ((40, 1), (41, 2), (43, 5))]
+                    got[fuse, team, threads] = torch.cat(pieces, dim=1)
+    finally:
+        torch.set_num_threads(before)
+        fast._kernel.set_fuse(True)
+        fast._kernel.set_team(True)
+    first = got[False, False, 1]
+    assert all(torch.equal(first, g) for g in got.values())
+
+
+@requires_vnni
 def test_w4a8_rounds_only_the_activations() -> None:
     """w4a8 holds int4's weights (the same layout) and rounds its products' activations to 8 bits
     per block: its logits are further from float32's than int4's, by about what 8-bit activations

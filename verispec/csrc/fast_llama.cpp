@@ -322,8 +322,11 @@ struct TeamState {
   struct alignas(64) Slot {
     std::atomic<uint64_t> v{0};
   };
+  // The job's fields share the epoch's line: a waiting thread that sees the epoch change has them
+  // too, one line taken from the driver's core instead of two in turn (an empty job of two rows
+  // across CCDs 874 -> 614 ns, on one CCD 192 -> 169; medians of 12 and 28 readings, session 50).
   alignas(64) std::atomic<uint64_t> epoch{0};  // the last job posted; the threads' done[t] follow it
-  alignas(64) void (*call)(const void*, int64_t, int64_t) = nullptr;
+  void (*call)(const void*, int64_t, int64_t) = nullptr;
   const void* fn = nullptr;
   int64_t begin = 0, end = 0, chunk = 0;
   int threads = 1;
@@ -2190,9 +2193,11 @@ inline float sumsq(const float* x, int64_t n) {
   return s;
 }
 
-// Same order as HF's LlamaRMSNorm: weight * (x * rsqrt(mean(x^2) + eps)).
-void rmsnorm(const float* x, int64_t M, int64_t H, const float* w, float eps, float* y) {
-  rows_in_parallel(M, [=](int64_t m0, int64_t m1) {
+// Same order as HF's LlamaRMSNorm: weight * (x * rsqrt(mean(x^2) + eps)). Then, on the thread that
+// wrote them, after(m0, m1) for each of its runs of rows (`quantize_ahead`).
+template <typename After>
+void rmsnorm_then(const float* x, int64_t M, int64_t H, const float* w, float eps, float* y, const After& after) {
+  rows_in_parallel(M, [&](int64_t m0, int64_t m1) {
     prefetch_rows_for_write(M, y, H, m0, m1);
     for (int64_t m = m0; m < m1; ++m) {
       const float* xm = x + m * H;
@@ -2200,7 +2205,12 @@ void rmsnorm(const float* x, int64_t M, int64_t H, const float* w, float eps, fl
       const float r = 1.0f / std::sqrt(sumsq(xm, H) / static_cast<float>(H) + eps);
       for (int64_t k = 0; k < H; ++k) ym[k] = w[k] * (xm[k] * r);
     }
+    after(m0, m1);
   });
+}
+
+void rmsnorm(const float* x, int64_t M, int64_t H, const float* w, float eps, float* y) {
+  rmsnorm_then(x, M, H, w, eps, y, [](int64_t, int64_t) {});
 }
 
 // HF's rotate_half convention: out = x * cos + cat(-x2, x1) * sin, with cos/sin rows of width D.
@@ -2309,6 +2319,47 @@ constexpr int64_t kQ4BlockBytes = kQ4MAt + kTileHalves;
 constexpr int64_t kQ8CodeBytes = 512, kQ8DAt = kQ8CodeBytes, kQ8SumAt = kQ8DAt + kTileHalves;
 constexpr int64_t kQ8BlockBytes = kQ8SumAt + kTileHalves;
 constexpr int kQ4Group = 4;                             // tiles per thread work item
+
+// 8-bit block rows (`quantize_blocks8`): x [M, K] as codes and each block's scale and sum.
+struct BlockRows8 {
+  const uint8_t* a;  // [M, K]
+  const float* da;   // [M, K / 32]
+  const float* sa;   // [M, K / 32]
+};
+
+// A product's 8-bit block rows written ahead by the job that computes its input: the norms, SwiGLU
+// and the attention quantise each row or query output as they finish it (`quantize_ahead`,
+// `FastLlamaKernel::run`), so the product takes them as they are instead of quantising its input in
+// a job of its own (the threads' handoff, and each row read back by the other thread). `offset` as
+// in `quantize_blocks8`, set by the product's weight format. The codes are those `block_rows8`
+// forms from the same floats, so every output is the same, bitwise.
+struct Blocks8 {
+  std::vector<uint8_t> a;     // [M, K]
+  std::vector<float> da, sa;  // [M, K / 32]
+  int64_t K = 0;
+  bool offset = false;
+  void resize(int64_t M, int64_t k, bool off) {
+    K = k;
+    offset = off;
+    a.resize(M * K);
+    da.resize(M * (K / 32));
+    sa.resize(M * (K / 32));
+  }
+  BlockRows8 rows() const { return {a.data(), da.data(), sa.data()}; }
+};
+
+// What each thread of a product does with its columns c0 .. c1 - 1 once they are final in every
+// row, as the last step of its chunk (`FastLlamaKernel::run`: RoPE and the cache writes of the heads
+// it computed), so that work needs no job of its own and its data never crosses to the other thread.
+// With `halves` the product's threads split its two halves of columns alike (a thread's groups
+// of kQ4Group tiles are the same ones in each half: gate and up columns together), and fn gets
+// columns c0 .. c1 - 1 of each half; the halves must hold whole groups.
+struct ColumnsDone {
+  void (*fn)(const void* ctx, int64_t c0, int64_t c1);
+  const void* ctx;
+  bool halves = false;
+};
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // Exact 4-bit blocks against int16 activations, in integers (a prototype of an int4 weight format;
 // session 41). A Q4_1 block of 32 weights is d * q + m, q in 0..15 (`_q4_blocks`). With each input
@@ -2525,12 +2576,24 @@ inline void quantize_blocks8(const float* x, int64_t M, int64_t ldx, int64_t K, 
     }
 }
 
+// Rows m0 .. m1 - 1 of x [.., b.K] (row stride ldx) into the same rows of b, asking first for the
+// lines it will write (`prefetch_rows_for_write`: in calls of at most 8 rows of M).
+inline void quantize_ahead(Blocks8& b, const float* x, int64_t ldx, int64_t M, int64_t m0, int64_t m1) {
+  const int64_t K = b.K, B = K / 32;
+  prefetch_rows_for_write(M, b.a.data(), K, m0, m1);
+  prefetch_rows_for_write(M, b.da.data(), B, m0, m1);
+  prefetch_rows_for_write(M, b.sa.data(), B, m0, m1);
+  quantize_blocks8(x + m0 * ldx, m1 - m0, ldx, K, b.a.data() + m0 * K, b.da.data() + m0 * B, b.sa.data() + m0 * B,
+                   b.offset);
+}
+
+// n values x (n % 32 == 0) into b at flat column `at` of its [M, K] rows (at % 32 == 0): one
+// attention query's output, whose D columns lie whole in one row.
+inline void quantize_span(Blocks8& b, const float* x, int64_t at, int64_t n) {
+  quantize_blocks8(x, 1, n, n, b.a.data() + at, b.da.data() + at / 32, b.sa.data() + at / 32, b.offset);
+}
+
 // x [M, K] quantised into this thread's buffers by `quantize_blocks8`.
-struct BlockRows8 {
-  const uint8_t* a;  // [M, K]
-  const float* da;   // [M, K / 32]
-  const float* sa;   // [M, K / 32]
-};
 inline BlockRows8 block_rows8(const float* x, int64_t M, int64_t ldx, int64_t K, bool offset) {
   thread_local std::vector<uint8_t> a;
   thread_local std::vector<float> da, sa;
@@ -2655,24 +2718,34 @@ constexpr int kQ4A8Tiles = kQ4Group;
 // With Q8: W as exact 8-bit blocks in `q8_pack`'s layout (`q8_tile`), the same way. With A8: the
 // activations as 8-bit blocks (`quantize_blocks8`; `q4a8_tile`, `q8a8_tile`), up to kQ4A8Rows at a time
 // (kQ4A8WideRows in wider calls).
+// With `pre` (A8 only): the activations already quantised (`Blocks8`, offset as Q8 needs), x unread.
+// With `done`: each thread's columns (whole groups of kQ4Group tiles) handed to it at the end; with
+// done->halves, the threads split pairs of groups, group p of each half (the same columns of both).
 template <bool Q8 = false, bool A8 = false>
 void linear_q4_tiles(const float* x, int64_t M, int64_t ldx, const uint8_t* wt, int64_t N, int64_t K,
-                     const float* bias, float* y, int64_t ldy, bool accumulate) {
+                     const float* bias, float* y, int64_t ldy, bool accumulate, const Blocks8* pre,
+                     const ColumnsDone* done) {
   ByteRows rows_q{};
   BlockRows8 rows8{};
   if constexpr (A8)
-    rows8 = block_rows8(x, M, ldx, K, Q8);
+    rows8 = pre ? pre->rows() : block_rows8(x, M, ldx, K, Q8);
   else
     rows_q = byte_rows(x, M, ldx, K, Q8, !Q8);  // 4-bit blocks need each block's sum of a
   constexpr int64_t kBlockBytes = Q8 ? kQ8BlockBytes : kQ4BlockBytes;
   constexpr int kRows = A8 ? kQ4A8Rows : kQ4Rows;
   const int64_t B = K / 32, tiles = N / kQ4Tile;
   const float* as = rows_q.sums;
-  team_for(0, (tiles + kQ4Group - 1) / kQ4Group, 1, [&](int64_t g0, int64_t g1) {
-    const int64_t c0 = g0 * kQ4Group * kQ4Tile, c1 = std::min(N, g1 * kQ4Group * kQ4Tile);  // its columns
-    constexpr int64_t F = sizeof(float);
+  const int64_t groups = (tiles + kQ4Group - 1) / kQ4Group;
+  const bool halves = done != nullptr && done->halves;
+  TORCH_CHECK(!halves || N % (2 * kQ4Group * kQ4Tile) == 0, "halves of whole groups");
+  team_for(0, halves ? groups / 2 : groups, 1, [&](int64_t i0, int64_t i1) {
+    constexpr int64_t F = sizeof(float), GC = kQ4Group * kQ4Tile;
+    const int64_t c0 = i0 * GC, c1 = std::min(N, i1 * GC);  // its columns (of each half, with halves)
+    if (halves) prefetch_for_write(M, y + N / 2 + c0, M, (c1 - c0) * F, ldy * F);
     prefetch_for_write(M, y + c0, M, (c1 - c0) * F, ldy * F);
-    for (int64_t g = g0; g < g1; ++g) {
+    const int64_t n = halves ? 2 : 1;  // groups per item: with halves, p then groups / 2 + p
+    for (int64_t v = i0 * n; v < i1 * n; ++v) {
+      const int64_t g = halves ? v % 2 * (groups / 2) + v / 2 : v;
       const int64_t t0 = g * kQ4Group, t1 = std::min<int64_t>(tiles, t0 + kQ4Group);
       const int64_t bstride = (t1 - t0) * kBlockBytes;  // between a tile's blocks
       const uint8_t* gw = wt + t0 * B * kBlockBytes;
@@ -2709,16 +2782,26 @@ void linear_q4_tiles(const float* x, int64_t M, int64_t ldx, const uint8_t* wt, 
         });
       }
     }
+    if (done) done->fn(done->ctx, c0, c1);
   });
 }
 
 // linear_q4_tiles for W's block format (`q8`: `q8_pack`'s, else `q4_pack`'s) and the activations'
 // (`a8`: 8-bit blocks, else int16 rows), chosen at run time.
+// `pre` (a8 only) and `done` as in linear_q4_tiles.
 inline void linear_block_tiles(bool q8, bool a8, const float* x, int64_t M, int64_t ldx, const uint8_t* wt, int64_t N,
-                               int64_t K, const float* bias, float* y, int64_t ldy, bool accumulate) {
+                               int64_t K, const float* bias, float* y, int64_t ldy, bool accumulate,
+                               const Blocks8* pre = nullptr, const ColumnsDone* done = nullptr) {
   auto* f = q8 ? (a8 ? &linear_q4_tiles<true, true> : &linear_q4_tiles<true, false>)
                : (a8 ? &linear_q4_tiles<false, true> : &linear_q4_tiles<false, false>);
-  f(x, M, ldx, wt, N, K, bias, y, ldy, accumulate);
+  f(x, M, ldx, wt, N, K, bias, y, ldy, accumulate, a8 ? pre : nullptr, done);
+}
+#else
+inline void quantize_ahead(Blocks8&, const float*, int64_t, int64_t, int64_t, int64_t) {
+  TORCH_CHECK(false, "8-bit block activations need AVX-512 VNNI");  // never asked for: see `ahead`
+}
+inline void quantize_span(Blocks8&, const float*, int64_t, int64_t) {
+  TORCH_CHECK(false, "8-bit block activations need AVX-512 VNNI");
 }
 #endif
 
@@ -3182,13 +3265,26 @@ inline void store1(bf16* p, float v) {
 }
 inline void store1(float* p, float v) { *p = v; }
 
+#if defined(__AVX512F__)
+// a[k] = silu(g[k]) * u[k] for k < n (n a multiple of 16): swiglu_rows's float32 arithmetic, 16 at a
+// time, for its rows and for the gate/up product's threads (`FastLlamaKernel::run`).
+inline void swiglu16(const float* g, const float* u, float* a, int64_t n) {
+  for (int64_t k = 0; k < n; k += 16) {
+    const __m512 gv = _mm512_loadu_ps(g + k), uv = _mm512_loadu_ps(u + k);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+    _mm512_storeu_ps(a + k, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), uv));
+  }
+}
+#endif
+
 // out[m, k] = silu(g) * u with g = gu[m, k] * scale[k], u = gu[m, I + k] * scale[I + k] (no scale:
 // 1), computed in float32 (exp8 on whole groups of 8 columns, std::exp on the last I % 8) and
 // stored in T, rows split over the threads (one row each at least: a decoding step has a few).
 // gu: [M, 2I] (gate, then up) in T. Both the kernel's own forward and the torch path's long
-// prompts use it.
-template <typename T>
-void swiglu_rows(const T* gu, const float* scale, int64_t M, int64_t I, T* out) {
+// prompts use it. Then, on the thread that wrote them, after(m0, m1) for each of its runs of rows
+// (`quantize_ahead`).
+template <typename T, typename After>
+void swiglu_rows_then(const T* gu, const float* scale, int64_t M, int64_t I, T* out, const After& after) {
   const int64_t I8 = I - I % 8;
   rows_in_parallel(M, [&](int64_t m0, int64_t m1) {
     prefetch_rows_for_write(M, out, I, m0, m1);
@@ -3198,6 +3294,10 @@ void swiglu_rows(const T* gu, const float* scale, int64_t M, int64_t I, T* out) 
       int64_t k = 0;
 #if defined(__AVX512F__)
       if constexpr (std::is_same_v<T, float>) {  // 16 at a time, each element the same operations
+        if (!scale) {
+          k = I8 / 16 * 16;
+          swiglu16(g, g + I, a, k);
+        }
         for (; k + 16 <= I8; k += 16) {
           __m512 gv = _mm512_loadu_ps(g + k), uv = _mm512_loadu_ps(g + I + k);
           if (scale) {
@@ -3225,7 +3325,13 @@ void swiglu_rows(const T* gu, const float* scale, int64_t M, int64_t I, T* out) 
         store1(a + k, gk / (1.0f + std::exp(-gk)) * uk);
       }
     }
+    after(m0, m1);
   });
+}
+
+template <typename T>
+void swiglu_rows(const T* gu, const float* scale, int64_t M, int64_t I, T* out) {
+  swiglu_rows_then(gu, scale, M, I, out, [](int64_t, int64_t) {});
 }
 
 // The torch path's RMSNorm for long prompts: rmsnorm()'s float32 arithmetic (HF's order) per row in
@@ -3976,6 +4082,11 @@ class FastLlamaKernel {
   // OpenMP region per parallel call. Every logit is the same either way; for tests and A/B runs.
   void set_team(bool on) { team_ = on; }
 
+  // Whether the jobs between w4a8's products are folded into the jobs before them (`ahead`: the
+  // 8-bit blocks quantised by their producers, the heads written and SwiGLU computed by the qkv
+  // and gate/up products' threads). Every logit is the same either way; for tests and A/B runs.
+  void set_fuse(bool on) { fuse_ = on; }
+
   // The int8 head and embedding of int4 and w4a8 (`set_head`, which must come first) also as exact
   // 8-bit blocks in `q8_pack`'s layout (either may be None): head products then multiply them in
   // integers (`q8_tile`, `q8a8_tile`), and embedding rows are read from them exactly. A tied head
@@ -4399,9 +4510,11 @@ class FastLlamaKernel {
   // y[M, N] (+)= x[M, K] @ W^T + bias: from W's exact blocks (`linear_blocks`, bitwise the same)
   // where it has them, for calls of up to q4_rows_ tokens (a layer's 4-bit blocks, `set_q4`) or
   // head_q8_rows_ rows (the head's 8-bit blocks, `set_head_q8`), else `linear`.
+  // `pre`: x already quantised into 8-bit blocks (`ahead`), where W takes them; `done` then handed
+  // each thread's columns at the end of its chunk (`linear_q4_tiles`).
   template <typename WT>
   void product(const Mat& W, const float* x, int64_t M, int64_t K, int64_t N, const float* bias, float* y,
-               bool accumulate) {
+               bool accumulate, const Blocks8* pre = nullptr, const ColumnsDone* done = nullptr) {
     if constexpr (std::is_same_v<WT, float>) {
       if (W.q4.defined() && M <= q4_rows_) {
         const Q4Blocks blocks{{W.q4.data_ptr<uint8_t>(), K / 32, N, 0}};
@@ -4418,7 +4531,8 @@ class FastLlamaKernel {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
       if (W.q4i.defined() || W.q8i.defined()) {
         const bool q8 = !W.q4i.defined();
-        linear_block_tiles(q8, act8_, x, M, K, (q8 ? W.q8i : W.q4i).data_ptr<uint8_t>(), N, K, bias, y, N, accumulate);
+        linear_block_tiles(q8, act8_, x, M, K, (q8 ? W.q8i : W.q4i).data_ptr<uint8_t>(), N, K, bias, y, N, accumulate,
+                           pre, pre ? done : nullptr);
         return;
       }
 #endif
@@ -4439,6 +4553,23 @@ class FastLlamaKernel {
       }
     }
     linear(x, M, K, wptr<WT>(W.w), N, K, W.sc(), bias, y, N, accumulate, W.paired, schedule_);
+  }
+
+  // Where product<WT>(W, ..) over M rows of K columns takes 8-bit block activations, `buf` sized for
+  // them and the offset W's blocks need, for the job before the product to fill (`quantize_ahead`);
+  // else (or with `set_fuse(false)`) null, and the product quantises the float rows itself.
+  template <typename WT>
+  Blocks8* ahead(const Mat& W, int64_t M, int64_t K, Blocks8& buf) const {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if constexpr (std::is_same_v<WT, i8>) {
+      if (fuse_ && act8_ && (W.q4i.defined() || W.q8i.defined()) && K % 32 == 0) {
+        buf.resize(M, K, !W.q4i.defined());
+        return &buf;
+      }
+    }
+#endif
+    (void)W, (void)M, (void)K, (void)buf;
+    return nullptr;
   }
 
   // The whole head's logits out [R, V] for final-normed rows x [R, H].
@@ -4485,18 +4616,69 @@ class FastLlamaKernel {
     const float* cos = cos_.data_ptr<float>();
     const float* sin = sin_.data_ptr<float>();
     plan_attention(M, sl);
+    // Each product's 8-bit block activations, where it takes them, are quantised by the job that
+    // writes its input, row by row or query by query as each is finished (`ahead`).
+    auto norm = [&](const at::Tensor& w, Blocks8* q) {
+      rmsnorm_then(x, M, H, w.data_ptr<float>(), eps_, xn, [&](int64_t m0, int64_t m1) {
+        if (q) quantize_ahead(*q, xn, H, M, m0, m1);
+      });
+    };
+    // Where the qkv product takes 8-bit blocks, its threads split it by groups of kQ4Group tiles;
+    // with heads of that many columns each thread then writes the heads it computed (`write_heads`:
+    // RoPE, the cache) as its chunk's last step, instead of write_kv's job over rows afterwards.
+    struct HeadsDone {
+      FastLlamaKernel* k;
+      size_t l;
+      int64_t M;
+      const int64_t *sl, *ps;
+      const float *cos, *sin;
+    } heads{this, 0, M, sl, ps, cos, sin};
+    const ColumnsDone heads_done{[](const void* c, int64_t c0, int64_t c1) {
+                                  const HeadsDone& h = *static_cast<const HeadsDone*>(c);
+                                  const int64_t D = h.k->D_;
+                                  h.k->write_heads(h.l, 0, h.M, c0 / D, c1 / D, h.sl, h.ps, h.cos, h.sin);
+                                },
+                                &heads};
+    // Where the gate/up product takes 8-bit blocks, its threads can take the same groups of gate and
+    // up columns (ColumnsDone::halves) and each then computes SwiGLU over those columns of every row,
+    // and the down product's 8-bit blocks of them, as its chunk's last step: no SwiGLU job, and no
+    // gate or up row read by the other thread. Each element's arithmetic is swiglu_rows's (swiglu16).
+    const bool swiglu_whole = I % (kQ4Group * kQ4Tile) == 0;
+    Blocks8* swiglu_to = nullptr;
+    struct SwigluDone {
+      FastLlamaKernel* k;
+      int64_t M;
+      Blocks8** to;
+    } swiglu_ctx{this, M, &swiglu_to};
+    const ColumnsDone swiglu_done{[](const void* c, int64_t c0, int64_t c1) {
+                                    const SwigluDone& h = *static_cast<const SwigluDone*>(c);
+                                    h.k->swiglu_columns(h.M, c0, c1, *h.to);
+                                  },
+                                  &swiglu_ctx, true};
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& L = layers_[l];
-      rmsnorm(x, M, H, L.in_norm.data_ptr<float>(), eps_, xn);
-      product<WT>(L.wqkv, xn, M, H, QKV, opt(L.bqkv), qkv, false);
-      write_kv(l, M, sl, ps, cos, sin);
+      Blocks8* q = ahead<WT>(L.wqkv, M, H, xq_);
+      norm(L.in_norm, q);
+      const ColumnsDone* heads_at = q != nullptr && D == kQ4Group * kQ4Tile ? &heads_done : nullptr;
+      heads.l = l;
+      product<WT>(L.wqkv, xn, M, H, QKV, opt(L.bqkv), qkv, false, q, heads_at);
+      if (!heads_at) write_kv(l, M, sl, ps, cos, sin);
+      att_ahead_ = D % 32 == 0 ? ahead<WT>(L.wo, M, HQD, attq_) : nullptr;
       attention(l, M, ps);
-      product<WT>(L.wo, att_.data(), M, HQD, H, opt(L.bo), x, true);
-      rmsnorm(x, M, H, L.post_norm.data_ptr<float>(), eps_, xn);
-      product<WT>(L.wgu, xn, M, H, 2 * I, nullptr, gu_.data(), false);
-      swiglu(M, I);
-      product<WT>(L.wdown, act_.data(), M, I, H, nullptr, x, true);
+      product<WT>(L.wo, att_.data(), M, HQD, H, opt(L.bo), x, true, att_ahead_);
+      q = ahead<WT>(L.wgu, M, H, xq_);
+      norm(L.post_norm, q);
+      Blocks8* qd = ahead<WT>(L.wdown, M, I, actq_);
+      if (q != nullptr && swiglu_whole) {
+        swiglu_to = qd;
+        product<WT>(L.wgu, xn, M, H, 2 * I, nullptr, gu_.data(), false, q, &swiglu_done);
+      } else {
+        product<WT>(L.wgu, xn, M, H, 2 * I, nullptr, gu_.data(), false, q);
+        swiglu(M, I, qd);
+      }
+      product<WT>(L.wdown, act_.data(), M, I, H, nullptr, x, true, qd);
     }
+    att_ahead_ = nullptr;
 
     if (keep_hidden_) {
       hidden_ = at::empty({M, H}, at::kFloat);
@@ -4629,55 +4811,58 @@ class FastLlamaKernel {
   // RoPE on q and k in place, then k and v into the caches at (slot, head, pos).
   void write_kv(size_t l, int64_t M, const int64_t* sl, const int64_t* ps, const float* cos,
                 const float* sin) {
-    const int64_t D = D_, QKV = (Hq_ + 2 * Hkv_) * D_;
+    const int64_t QKV = (Hq_ + 2 * Hkv_) * D_;
     rows_in_parallel(M, [&](int64_t m0, int64_t m1) {  // each token its own row and cache positions
       prefetch_rows_for_write(M, qkv_.data(), QKV, m0, m1);
-      for (int64_t m = m0; m < m1; ++m) {
-        float* row = qkv_.data() + m * QKV;
-        const float* c = cos + ctx_[m] * D;  // the RoPE position (ctx = pos but in trees)
-        const float* s = sin + ctx_[m] * D;
-        for (int64_t h = 0; h < Hq_ + Hkv_; ++h) rope(row + h * D, c, s, D);
-        for (int64_t g = 0; g < Hkv_; ++g)
-          store_kv(l, sl[m], g, ps[m], row + (Hq_ + g) * D, row + (Hq_ + Hkv_ + g) * D);
-      }
+      write_heads(l, m0, m1, 0, Hq_ + 2 * Hkv_, sl, ps, cos, sin);
     });
   }
 
-  // Key k and value v (D floats each) of KV head g into layer l's caches at (slot, g, pos), rounded
-  // to the cache's type as torch rounds it (nearest even) and, for bfloat16, into its layouts.
-  void store_kv(size_t l, int64_t slot, int64_t g, int64_t pos, const float* k, const float* v) {
-    const int64_t D = D_, S = kc_[l].size(2), head = (slot * Hkv_ + g) * S * D;
-    if (kv_bf16_) {
-      bf16* kh = static_cast<bf16*>(kc_[l].data_ptr()) + head;
-      bf16* vh = static_cast<bf16*>(vc_[l].data_ptr()) + head;
-      alignas(32) bf16 kr[kGroupedHeadDim], vr[kGroupedHeadDim];
-      for (int64_t d = 0; d < D; d += 8) {
-        store8(kr + d, _mm256_loadu_ps(k + d));
-        store8(vr + d, _mm256_loadu_ps(v + d));
+  // write_kv's work for rows m0 .. m1 - 1 and heads h0 .. h1 - 1 of qkv_ (q heads, then k, then v):
+  // RoPE on the q and k heads, the k and v heads into the caches. Each head's arithmetic is its own,
+  // so any split of rows and heads gives the same bits.
+  void write_heads(size_t l, int64_t m0, int64_t m1, int64_t h0, int64_t h1, const int64_t* sl, const int64_t* ps,
+                   const float* cos, const float* sin) {
+    const int64_t D = D_, QKV = (Hq_ + 2 * Hkv_) * D_;
+    for (int64_t m = m0; m < m1; ++m) {
+      float* row = qkv_.data() + m * QKV;
+      const float* c = cos + ctx_[m] * D;  // the RoPE position (ctx = pos but in trees)
+      const float* s = sin + ctx_[m] * D;
+      for (int64_t h = h0; h < std::min(h1, Hq_ + Hkv_); ++h) rope(row + h * D, c, s, D);
+      for (int64_t h = std::max(h0, Hq_); h < h1; ++h) {
+        const bool value = h >= Hq_ + Hkv_;
+        store_kv(l, sl[m], value ? h - Hq_ - Hkv_ : h - Hq_, ps[m], row + h * D, value);
       }
-      for (int64_t d = 0; d < D; d += 2)  // the key's pairs, each one 32-bit word of its block
-        std::memcpy(kh + bf16_key_at(pos, d), kr + d, 2 * sizeof(bf16));
-      for (int64_t d = 0; d < D; ++d) vh[bf16_value_at(pos, d)] = vr[d];
+    }
+  }
+
+  // Key (or with `value`, value) x, D floats, of KV head g into layer l's cache at (slot, g, pos),
+  // rounded to the cache's type as torch rounds it (nearest even) and, for bfloat16, into its layouts.
+  void store_kv(size_t l, int64_t slot, int64_t g, int64_t pos, const float* x, bool value) {
+    const int64_t D = D_, S = kc_[l].size(2), head = (slot * Hkv_ + g) * S * D;
+    const at::Tensor& cache = value ? vc_[l] : kc_[l];
+    if (kv_bf16_) {
+      bf16* ch = static_cast<bf16*>(cache.data_ptr()) + head;
+      alignas(32) bf16 r[kGroupedHeadDim];
+      for (int64_t d = 0; d < D; d += 8) store8(r + d, _mm256_loadu_ps(x + d));
+      if (value) {
+        for (int64_t d = 0; d < D; ++d) ch[bf16_value_at(pos, d)] = r[d];
+      } else {
+        for (int64_t d = 0; d < D; d += 2)  // the key's pairs, each one 32-bit word of its block
+          std::memcpy(ch + bf16_key_at(pos, d), r + d, 2 * sizeof(bf16));
+      }
       return;
     }
     const int64_t off = head + pos * D;
     if (kv_half_) {
-      f16* kc = static_cast<f16*>(kc_[l].data_ptr()) + off;
-      f16* vc = static_cast<f16*>(vc_[l].data_ptr()) + off;
+      f16* c = static_cast<f16*>(cache.data_ptr()) + off;
       int64_t d = 0;
-      for (; d + 8 <= D; d += 8) {  // the same rounding, 8 at a time (1 / 5 tokens: 42 -> 29,
-                                    // 89 -> 61 us per step on the Xeon, as `prefetch_rows`)
-        store8(kc + d, _mm256_loadu_ps(k + d));
-        store8(vc + d, _mm256_loadu_ps(v + d));
-      }
-      for (; d < D; ++d) {
-        store1(kc + d, k[d]);
-        store1(vc + d, v[d]);
-      }
+      for (; d + 8 <= D; d += 8) store8(c + d, _mm256_loadu_ps(x + d));  // the same rounding, 8 at a
+                    // time (1 / 5 tokens: 42 -> 29, 89 -> 61 us per step on the Xeon, as `prefetch_rows`)
+      for (; d < D; ++d) store1(c + d, x[d]);
       return;
     }
-    std::memcpy(kc_[l].data_ptr<float>() + off, k, D * sizeof(float));
-    std::memcpy(vc_[l].data_ptr<float>() + off, v, D * sizeof(float));
+    std::memcpy(cache.data_ptr<float>() + off, x, D * sizeof(float));
   }
 
   // Which queries (token m, head h) are scored together: those of one batch row and one KV head
@@ -4732,7 +4917,36 @@ class FastLlamaKernel {
   // took 0.6-1 ms of a 5-token int8 forward (perf: 4-6% of its samples); on the Xeon, 6 interleaved
   // rounds at 200 cached tokens, ms: int8 1 / 5 / 9 tokens 11.2 / 15.9 / 25.4 -> 11.0 / 14.8 / 24.0,
   // float32 24.9 / 26.1 / 29.9 -> 24.0 / 26.6 / 28.6.)
-  void swiglu(int64_t M, int64_t I) { swiglu_rows<float>(gu_.data(), nullptr, M, I, act_.data()); }
+  // swiglu's work on columns c0 .. c1 - 1 (multiples of 16) of every row, with q those columns'
+  // 8-bit blocks too (c0 and c1 multiples of 32).
+  void swiglu_columns(int64_t M, int64_t c0, int64_t c1, Blocks8* q) {
+#if defined(__AVX512F__)
+    const int64_t I = I_;
+    for (int64_t m = 0; m < M; ++m) {
+      const float* g = gu_.data() + m * 2 * I;
+      float* a = act_.data() + m * I;
+      swiglu16(g + c0, g + I + c0, a + c0, c1 - c0);
+      if (q) quantize_span(*q, a + c0, m * I + c0, c1 - c0);
+    }
+#else
+    (void)M, (void)c0, (void)c1, (void)q;
+    TORCH_CHECK(false, "8-bit block activations need AVX-512");
+#endif
+  }
+
+  // With q, each thread then quantises its rows into q (`ahead`).
+  void swiglu(int64_t M, int64_t I, Blocks8* q) {
+    swiglu_rows_then<float>(gu_.data(), nullptr, M, I, act_.data(), [&](int64_t m0, int64_t m1) {
+      if (q) quantize_ahead(*q, act_.data(), I, M, m0, m1);
+    });
+  }
+
+  // Each of an item's n queries' outputs into att_ahead_'s 8-bit blocks, where the wo product takes
+  // them (`ahead`): on the thread that computed them, as soon as they are final.
+  void quantize_outputs(const int64_t* qs, int64_t n) {
+    if (!att_ahead_) return;
+    for (int64_t a = 0; a < n; ++a) quantize_span(*att_ahead_, att_.data() + qs[a] * D_, qs[a] * D_, D_);
+  }
 
   // Causal attention of each token over its own row's cache positions 0 .. ctx - 1, then itself
   // (at pos; ctx = pos but in trees); no other key (other drafts, stale rejected tokens) is ever
@@ -4861,6 +5075,7 @@ class FastLlamaKernel {
             bf16_weighted<1>(op, V + own / 2 * 2 * D, 0, 1, o + x);
           }
         }
+        quantize_outputs(qs, n);
       }
     });
   }
@@ -4931,6 +5146,7 @@ class FastLlamaKernel {
           const int64_t m = qs[a] / Hq_;
           weighted_rows(pbuf.data() + a * P + ctx_[m], V + ps[m] * D, 0, 1, D, out(a));
         }
+        quantize_outputs(qs, n);
       }
     });
   }
@@ -4948,6 +5164,9 @@ class FastLlamaKernel {
   int64_t q4_rows_ = kBlockMostRows;  // calls of up to this many tokens read 4-bit blocks (`set_q4`)
   bool act8_ = false;                 // block matrices (`add_layer_q4`, `set_q8i`) take 8-bit activations
   bool team_ = true;                  // forwards run in one parallel region (`set_team`)
+  bool fuse_ = true;                  // w4a8's row jobs folded into the jobs before them (`set_fuse`)
+  Blocks8 xq_, attq_, actq_;          // the products' 8-bit block inputs, quantised ahead (`ahead`)
+  Blocks8* att_ahead_ = nullptr;      // attq_ while the attention is to fill it, else null
   int64_t head_q8_rows_ = kBlockMostRows;  // whole-head logits of up to this many rows read 8-bit blocks
   Schedule schedule_;
   at::Tensor hidden_;
@@ -4978,6 +5197,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("head"))
       .def("set_act8", &FastLlamaKernel::set_act8)
       .def("set_team", &FastLlamaKernel::set_team)
+      .def("set_fuse", &FastLlamaKernel::set_fuse)
       .def("set_head", &FastLlamaKernel::set_head)
       .def("set_paired", &FastLlamaKernel::set_paired)
       .def("set_amx", &FastLlamaKernel::set_amx)
