@@ -162,12 +162,18 @@ def test_int4_holds_q8_0_heads_as_blocks_only(tied: bool) -> None:
 
 
 @requires_vnni
-@pytest.mark.parametrize("hidden", [64, 256])
-def test_w4a8_folded_jobs_give_the_same_logits(hidden: int) -> None:
+@pytest.mark.parametrize("hidden, cache", [(64, ""), (256, ""), (256, "bfloat16")])
+def test_w4a8_folded_jobs_give_the_same_logits(
+    hidden: int, cache: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """w4a8's products take 8-bit blocks quantised by the jobs that write their inputs, the qkv
-    product's threads write their own heads (head dimension 64) and the gate/up product's compute
-    SwiGLU over their columns (``set_fuse``). Against the separate jobs, on one, two and three
-    threads, in a team or not: a prompt, steps of 1, 2 and 5 tokens, every logit bitwise the same."""
+    product's threads write their own heads (head dimension 64; a float16 or bfloat16 cache) and
+    the gate/up product's compute SwiGLU over their columns (``set_fuse``). Against the separate
+    jobs, on one, two and three threads, in a team or not: a prompt, steps of 1, 2 and 5 tokens,
+    every logit bitwise the same."""
+    if cache == "bfloat16" and not BF16:
+        pytest.skip("bfloat16 attention needs the kernel with AVX-512 BF16")
+    monkeypatch.setenv("VERISPEC_KV_CACHE", cache)
     hf = _q4_llama(hidden=hidden)
     ids = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(4))
     fast = FastLlama.from_hf(hf, dtype="w4a8", max_batch_size=2)
