@@ -2389,6 +2389,15 @@ constexpr int kQ4Rows = 5;                              // input rows per pass a
 // greedy steps cost 7-20% more (SmolLM2-135M at 200 cached tokens, benchmarks/kernel_ab.py, min
 // ms T0 / T1: 1 token 3.94 / 3.52, 2 tokens 5.44 / 4.64, 3 6.82 / 5.41, 5 8.01 / 7.62).
 constexpr int64_t kQ4Prefetch = 16 * 1024;
+// Passes of one input row (decoding steps: bound by reading the weights) also ask for bytes
+// kQ4FarPrefetch ahead into L3 (`_MM_HINT_T2`), so each core keeps more lines in flight from
+// memory. On the 2-core Zen 4 guest with its vCPUs on two CCDs, one-token steps read the layer
+// weights at about 34 GB/s where the memory gives 55-65 (from the caches the same products run at
+// 77-100 GB/s); w4a8 one-token steps at 200 cached tokens (benchmarks/kernel_ab.py --placement,
+// 500 rounds, paired medians, session 50): 0.957x across CCDs (3.39 -> 3.30 ms), 0.972x on one CCD
+// (38 rounds; 0.995x in 272 of an earlier run). Asking for it in passes of more rows too cost 1-2%
+// at five tokens on one CCD; 80 KB ahead, 8-9% everywhere.
+constexpr int64_t kQ4FarPrefetch = 3 * kQ4Prefetch;
 
 // Tiles for MR input rows at a time: registers 3 MR NT (sums) + 2 NT (codes) + 4 (broadcasts) <= 32.
 constexpr int q4_tiles_for(int mr) { return mr == 1 ? 4 : mr <= 3 ? 2 : 1; }
@@ -2408,8 +2417,10 @@ inline void block_tiles(int64_t B, const uint8_t* w, int64_t bstride, const floa
   for (int64_t b = 0; b < B; ++b) {
     const uint8_t* blk = w + b * bstride;
     if (prefetch)
-      for (int64_t o = 0; o < NT * BlockBytes; o += 64)
+      for (int64_t o = 0; o < NT * BlockBytes; o += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(blk + kQ4Prefetch + o), _MM_HINT_T1);
+        if constexpr (MR == 1) _mm_prefetch(reinterpret_cast<const char*>(blk + kQ4FarPrefetch + o), _MM_HINT_T2);
+      }
     __m512i h[MR][NT], l[MR][NT];
 #pragma GCC unroll 5
     for (int i = 0; i < MR; ++i)
