@@ -2360,6 +2360,12 @@ struct ColumnsDone {
   bool halves = false;
 };
 
+// A ColumnsDone calling f(c0, c1), which must outlive the product.
+template <typename F>
+inline ColumnsDone columns_done(const F& f, bool halves = false) {
+  return {[](const void* c, int64_t c0, int64_t c1) { (*static_cast<const F*>(c))(c0, c1); }, &f, halves};
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // Exact 4-bit blocks against int16 activations, in integers (a prototype of an int4 weight format;
 // session 41). A Q4_1 block of 32 weights is d * q + m, q in 0..15 (`_q4_blocks`). With each input
@@ -2606,22 +2612,11 @@ inline void quantize_span(Blocks8& b, const float* x, int64_t at, int64_t n) {
 
 // x [M, K] quantised into this thread's buffers by `quantize_blocks8`.
 inline BlockRows8 block_rows8(const float* x, int64_t M, int64_t ldx, int64_t K, bool offset) {
-  thread_local std::vector<uint8_t> a;
-  thread_local std::vector<float> da, sa;
-  a.resize(M * K);
-  da.resize(M * (K / 32));
-  sa.resize(M * (K / 32));
-  uint8_t* ap = a.data();  // this thread's buffers, by pointer (see byte_rows)
-  float* dp = da.data();
-  float* sp = sa.data();
-  rows_in_parallel(M, [=](int64_t m0, int64_t m1) {
-    const int64_t B = K / 32;
-    prefetch_rows_for_write(M, ap, K, m0, m1);
-    prefetch_rows_for_write(M, dp, B, m0, m1);
-    prefetch_rows_for_write(M, sp, B, m0, m1);
-    quantize_blocks8(x + m0 * ldx, m1 - m0, ldx, K, ap + m0 * K, dp + m0 * B, sp + m0 * B, offset);
-  });
-  return {ap, dp, sp};
+  thread_local Blocks8 rows;
+  rows.resize(M, K, offset);
+  Blocks8* b = &rows;  // this thread's buffers, by pointer (see byte_rows)
+  rows_in_parallel(M, [=](int64_t m0, int64_t m1) { quantize_ahead(*b, x, ldx, M, m0, m1); });
+  return rows.rows();
 }
 
 // MR input rows of 8-bit blocks (`quantize_blocks8`) against NT tiles of 4-bit blocks (`q4_pack`): a
@@ -3277,11 +3272,16 @@ inline void store1(bf16* p, float v) {
 inline void store1(float* p, float v) { *p = v; }
 
 #if defined(__AVX512F__)
-// a[k] = silu(g[k]) * u[k] for k < n (n a multiple of 16): swiglu_rows's float32 arithmetic, 16 at a
-// time, for its rows and for the gate/up product's threads (`FastLlamaKernel::run`).
-inline void swiglu16(const float* g, const float* u, float* a, int64_t n) {
+// a[k] = silu(g[k] * sg[k]) * (u[k] * su[k]) for k < n (n a multiple of 16; no scales: 1):
+// swiglu_rows's float32 arithmetic, 16 at a time, for its rows and for the gate/up product's
+// threads (`FastLlamaKernel::run`).
+inline void swiglu16(const float* g, const float* u, const float* sg, const float* su, float* a, int64_t n) {
   for (int64_t k = 0; k < n; k += 16) {
-    const __m512 gv = _mm512_loadu_ps(g + k), uv = _mm512_loadu_ps(u + k);
+    __m512 gv = _mm512_loadu_ps(g + k), uv = _mm512_loadu_ps(u + k);
+    if (sg) {
+      gv = _mm512_mul_ps(gv, _mm512_loadu_ps(sg + k));
+      uv = _mm512_mul_ps(uv, _mm512_loadu_ps(su + k));
+    }
     const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
     _mm512_storeu_ps(a + k, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), uv));
   }
@@ -3305,19 +3305,8 @@ void swiglu_rows_then(const T* gu, const float* scale, int64_t M, int64_t I, T* 
       int64_t k = 0;
 #if defined(__AVX512F__)
       if constexpr (std::is_same_v<T, float>) {  // 16 at a time, each element the same operations
-        if (!scale) {
-          k = I8 / 16 * 16;
-          swiglu16(g, g + I, a, k);
-        }
-        for (; k + 16 <= I8; k += 16) {
-          __m512 gv = _mm512_loadu_ps(g + k), uv = _mm512_loadu_ps(g + I + k);
-          if (scale) {
-            gv = _mm512_mul_ps(gv, _mm512_loadu_ps(scale + k));
-            uv = _mm512_mul_ps(uv, _mm512_loadu_ps(scale + I + k));
-          }
-          const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-          _mm512_storeu_ps(a + k, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), uv));
-        }
+        k = I8 / 16 * 16;
+        swiglu16(g, g + I, scale, scale ? scale + I : nullptr, a, k);
       }
 #endif
       for (; k < I8; k += 8) {
@@ -4637,51 +4626,29 @@ class FastLlamaKernel {
     // Where the qkv product takes 8-bit blocks, its threads split it by groups of kQ4Group tiles;
     // with heads of that many columns each thread then writes the heads it computed (`write_heads`:
     // RoPE, the cache) as its chunk's last step, instead of write_kv's job over rows afterwards.
-    struct HeadsDone {
-      FastLlamaKernel* k;
-      size_t l;
-      int64_t M;
-      const int64_t *sl, *ps;
-      const float *cos, *sin;
-    } heads{this, 0, M, sl, ps, cos, sin};
-    const ColumnsDone heads_done{[](const void* c, int64_t c0, int64_t c1) {
-                                  const HeadsDone& h = *static_cast<const HeadsDone*>(c);
-                                  const int64_t D = h.k->D_;
-                                  h.k->write_heads(h.l, 0, h.M, c0 / D, c1 / D, h.sl, h.ps, h.cos, h.sin);
-                                },
-                                &heads};
     // Where the gate/up product takes 8-bit blocks, its threads can take the same groups of gate and
     // up columns (ColumnsDone::halves) and each then computes SwiGLU over those columns of every row,
     // and the down product's 8-bit blocks of them, as its chunk's last step: no SwiGLU job, and no
     // gate or up row read by the other thread. Each element's arithmetic is swiglu_rows's (swiglu16).
-    const bool swiglu_whole = I % (kQ4Group * kQ4Tile) == 0;
-    Blocks8* swiglu_to = nullptr;
-    struct SwigluDone {
-      FastLlamaKernel* k;
-      int64_t M;
-      Blocks8** to;
-    } swiglu_ctx{this, M, &swiglu_to};
-    const ColumnsDone swiglu_done{[](const void* c, int64_t c0, int64_t c1) {
-                                    const SwigluDone& h = *static_cast<const SwigluDone*>(c);
-                                    h.k->swiglu_columns(h.M, c0, c1, *h.to);
-                                  },
-                                  &swiglu_ctx, true};
+    const bool heads_whole = D == kQ4Group * kQ4Tile, swiglu_whole = I % (kQ4Group * kQ4Tile) == 0;
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& L = layers_[l];
       Blocks8* q = ahead<WT>(L.wqkv, M, H, xq_);
       norm(L.in_norm, q);
-      const ColumnsDone* heads_at = q != nullptr && D == kQ4Group * kQ4Tile ? &heads_done : nullptr;
-      heads.l = l;
+      const auto heads = [&](int64_t c0, int64_t c1) { write_heads(l, 0, M, c0 / D, c1 / D, sl, ps, cos, sin); };
+      const ColumnsDone heads_done = columns_done(heads);
+      const ColumnsDone* heads_at = q != nullptr && heads_whole ? &heads_done : nullptr;
       product<WT>(L.wqkv, xn, M, H, QKV, opt(L.bqkv), qkv, false, q, heads_at);
       if (!heads_at) write_kv(l, M, sl, ps, cos, sin);
-      att_ahead_ = D % 32 == 0 ? ahead<WT>(L.wo, M, HQD, attq_) : nullptr;
-      attention(l, M, ps);
-      product<WT>(L.wo, att_.data(), M, HQD, H, opt(L.bo), x, true, att_ahead_);
+      Blocks8* qa = D % 32 == 0 ? ahead<WT>(L.wo, M, HQD, attq_) : nullptr;
+      attention(l, M, ps, qa);
+      product<WT>(L.wo, att_.data(), M, HQD, H, opt(L.bo), x, true, qa);
       q = ahead<WT>(L.wgu, M, H, xq_);
       norm(L.post_norm, q);
       Blocks8* qd = ahead<WT>(L.wdown, M, I, actq_);
+      const auto swiglu_by_columns = [&](int64_t c0, int64_t c1) { swiglu_columns(M, c0, c1, qd); };
+      const ColumnsDone swiglu_done = columns_done(swiglu_by_columns, true);
       if (q != nullptr && swiglu_whole) {
-        swiglu_to = qd;
         product<WT>(L.wgu, xn, M, H, 2 * I, nullptr, gu_.data(), false, q, &swiglu_done);
       } else {
         product<WT>(L.wgu, xn, M, H, 2 * I, nullptr, gu_.data(), false, q);
@@ -4689,7 +4656,6 @@ class FastLlamaKernel {
       }
       product<WT>(L.wdown, act_.data(), M, I, H, nullptr, x, true, qd);
     }
-    att_ahead_ = nullptr;
 
     if (keep_hidden_) {
       hidden_ = at::empty({M, H}, at::kFloat);
@@ -4936,7 +4902,7 @@ class FastLlamaKernel {
     for (int64_t m = 0; m < M; ++m) {
       const float* g = gu_.data() + m * 2 * I;
       float* a = act_.data() + m * I;
-      swiglu16(g + c0, g + I + c0, a + c0, c1 - c0);
+      swiglu16(g + c0, g + I + c0, nullptr, nullptr, a + c0, c1 - c0);
       if (q) quantize_span(*q, a + c0, m * I + c0, c1 - c0);
     }
 #else
@@ -4952,11 +4918,11 @@ class FastLlamaKernel {
     });
   }
 
-  // Each of an item's n queries' outputs into att_ahead_'s 8-bit blocks, where the wo product takes
-  // them (`ahead`): on the thread that computed them, as soon as they are final.
-  void quantize_outputs(const int64_t* qs, int64_t n) {
-    if (!att_ahead_) return;
-    for (int64_t a = 0; a < n; ++a) quantize_span(*att_ahead_, att_.data() + qs[a] * D_, qs[a] * D_, D_);
+  // Each of an item's n queries' outputs into q's 8-bit blocks (none without q), where the wo
+  // product takes them (`ahead`): on the thread that computed them, as soon as they are final.
+  void quantize_outputs(Blocks8* q, const int64_t* qs, int64_t n) {
+    if (!q) return;
+    for (int64_t a = 0; a < n; ++a) quantize_span(*q, att_.data() + qs[a] * D_, qs[a] * D_, D_);
   }
 
   // Causal attention of each token over its own row's cache positions 0 .. ctx - 1, then itself
@@ -4964,12 +4930,13 @@ class FastLlamaKernel {
   // read. Per query: scores (dot), softmax_numerators, normalise, then each output element one fma
   // chain over the keys in order and the token's own value last: the same operations whichever
   // queries share its item (plan_attention) and however the keys are blocked.
-  void attention(size_t l, int64_t M, const int64_t* ps) {
+  // With q, each query's output also goes into q's 8-bit blocks (`quantize_outputs`).
+  void attention(size_t l, int64_t M, const int64_t* ps, Blocks8* q) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-    if (kv_bf16_) return attention_bf16(l, ps);
+    if (kv_bf16_) return attention_bf16(l, ps, q);
 #endif
-    if (kv_half_) attention_t<f16>(l, M, ps);
-    else attention_t<float>(l, M, ps);
+    if (kv_half_) attention_t<f16>(l, M, ps, q);
+    else attention_t<float>(l, M, ps, q);
   }
 
   // Asks for bytes from .. to of an item's keys (into L1) and values (into L2): `attention_t` asks
@@ -5002,7 +4969,7 @@ class FastLlamaKernel {
   // bound a verification's attention: SmolLM2-135M w4a8 on the 2-core Zen 4, a float16 cache against
   // this one (step_phases.py, us per step in attention at 200 cached tokens): 1 token 332 -> 236, 5
   // tokens 718 -> 453; whole steps at 800 cached tokens (min ms) 4.16 -> 3.78 and 6.32 -> 5.14.
-  void attention_bf16(size_t l, const int64_t* ps) {
+  void attention_bf16(size_t l, const int64_t* ps, Blocks8* q) {
     constexpr int64_t D = kGroupedHeadDim, QS = 8, QW = 6;  // queries per pass: scores, weighted sums
     const int64_t QKV = (Hq_ + 2 * Hkv_) * D, S = kc_[l].size(2);
     const bf16* kc = static_cast<const bf16*>(kc_[l].data_ptr());
@@ -5086,14 +5053,14 @@ class FastLlamaKernel {
             bf16_weighted<1>(op, V + own / 2 * 2 * D, 0, 1, o + x);
           }
         }
-        quantize_outputs(qs, n);
+        quantize_outputs(q, qs, n);
       }
     });
   }
 #endif
 
   template <typename KT>
-  void attention_t(size_t l, int64_t M, const int64_t* ps) {
+  void attention_t(size_t l, int64_t M, const int64_t* ps, Blocks8* q) {
     constexpr int64_t JB = 64;  // keys per block: 16 KB of float32 keys or values at D = 64
     const int64_t D = D_, QKV = (Hq_ + 2 * Hkv_) * D_, S = kc_[l].size(2);
     const KT* kc = static_cast<const KT*>(kc_[l].data_ptr());
@@ -5157,7 +5124,7 @@ class FastLlamaKernel {
           const int64_t m = qs[a] / Hq_;
           weighted_rows(pbuf.data() + a * P + ctx_[m], V + ps[m] * D, 0, 1, D, out(a));
         }
-        quantize_outputs(qs, n);
+        quantize_outputs(q, qs, n);
       }
     });
   }
@@ -5177,7 +5144,6 @@ class FastLlamaKernel {
   bool team_ = true;                  // forwards run in one parallel region (`set_team`)
   bool fuse_ = true;                  // w4a8's row jobs folded into the jobs before them (`set_fuse`)
   Blocks8 xq_, attq_, actq_;          // the products' 8-bit block inputs, quantised ahead (`ahead`)
-  Blocks8* att_ahead_ = nullptr;      // attq_ while the attention is to fill it, else null
   int64_t head_q8_rows_ = kBlockMostRows;  // whole-head logits of up to this many rows read 8-bit blocks
   Schedule schedule_;
   at::Tensor hidden_;
