@@ -11,7 +11,12 @@ cache writes count in the qkv product, SwiGLU in the gate/up product, and the 8-
 each product in the norm, attention or gate/up product that writes its input.
 
     flock /tmp/verispec-cpu.lock python benchmarks/step_phases.py [--dtype int8] [--widths 1 2 3 5 9]
-        [--amx-rows 10 1] [--steps 100] [--context 200] [--source FILE]
+        [--amx-rows 10 1] [--steps 100] [--context 200] [--source FILE] [--placement --blocks 40]
+
+``--placement``: ``--blocks`` rounds of ``--steps`` steps of each width, each round labelled by where
+the two threads' cores sat (``verispec bench``'s core round trip, read before it), and per placement
+the median over its rounds of each figure (a VM's vCPUs move between cores that share an L3 and
+cores on different CCDs within minutes; benchmarks/README.md).
 
 ``--amx-rows`` (int8 on a CPU with AMX tiles): from how many tokens a call reads the tiles, one
 line per value and width. A float32 model's greedy head is its screen (``final`` and ``head`` read
@@ -28,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from verispec.bench.measure import core_roundtrip_ns, placement_cut
 from verispec.models import fast_llama
 from verispec.models.loading import load_model
 from verispec.models.schedule import _calls
@@ -41,12 +47,12 @@ _LAYER = [
     ("product<WT>(L.wqkv, xn, M, H, QKV, opt(L.bqkv), qkv, false, q, heads_at);", 2),
     ("if (!heads_at) write_kv(l, M, sl, ps, cos, sin);", 3),
     ("attention(l, M, ps, qa);", 4),
-    ("product<WT>(L.wo, att_.data(), M, HQD, H, opt(L.bo), x, true, qa);", 5),
+    ("product<WT>(L.wo, att_.data(), M, HQD, H, opt(L.bo), x, true, qa, nullptr, stream_);", 5),
     ("norm(L.post_norm, q);", 1),
     ("product<WT>(L.wgu, xn, M, H, 2 * I, nullptr, gu_.data(), false, q, &swiglu_done);", 6),
     ("product<WT>(L.wgu, xn, M, H, 2 * I, nullptr, gu_.data(), false, q);", 6),
     ("swiglu(M, I, qd);", 7),
-    ("product<WT>(L.wdown, act_.data(), M, I, H, nullptr, x, true, qd);", 8),
+    ("product<WT>(L.wdown, act_.data(), M, I, H, nullptr, x, true, qd, nullptr, stream_);", 8),
 ]
 _CLOCK = """#include <vector>
 #include <chrono>
@@ -93,6 +99,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--source", type=Path, default=fast_llama._SRC)
+    ap.add_argument("--placement", action="store_true", help="split rounds by the cores' placement")
+    ap.add_argument("--blocks", type=int, default=40, help="rounds, with --placement")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -108,27 +116,57 @@ def main() -> None:
     model.forward(ids[:, : args.context], logits="none")
     back = torch.tensor([args.context])
     calls = _calls(model, ids, args.context, args.widths, "greedy")
+
+    def timed(w: int, warm: int = 5) -> tuple[list[float], list[float]]:
+        """Seconds of each of ``--steps`` steps of w tokens, and us per step in each part."""
+        for _ in range(warm):
+            calls[w]()
+            model.truncate(back)
+        module.parts()
+        secs = []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            calls[w]()
+            secs.append(time.perf_counter() - start)
+            model.truncate(back)
+        return secs, [p / args.steps for p in module.parts()]
+
+    def line(label: str, w: int, lo: float, mid: float, parts: list[float]) -> str:
+        names = " ".join(f"{name} {parts[i]:.0f}" for i, name in enumerate(PARTS))
+        return f"{label}{w} tokens: {lo * 1e3:.2f} / {mid * 1e3:.2f} ms; us: {names}"
+
+    if args.placement:
+        rounds = []  # (round trip ns, {w: (min s, median s, parts)})
+        for _ in range(args.blocks):
+            rt = core_roundtrip_ns() or 0.0
+            got = {}
+            for w in args.widths:
+                secs, parts = timed(w, warm=1)
+                got[w] = (min(secs), statistics.median(secs), parts)
+            rounds.append((rt, got))
+        cut = placement_cut([rt for rt, _ in rounds])
+        if cut is None:  # one placement all along (or none read): one group, named by its round trips
+            groups = [(f"{min(rt for rt, _ in rounds):.0f}-{max(rt for rt, _ in rounds):.0f} ns", rounds)]
+        else:
+            groups = [
+                ("near", [(rt, got) for rt, got in rounds if rt < cut]),
+                ("far", [(rt, got) for rt, got in rounds if rt >= cut]),
+            ]
+        for name, some in groups:
+            rt = statistics.median(r for r, _ in some)
+            for w in args.widths:
+                lo = statistics.median(g[w][0] for _, g in some)
+                mid = statistics.median(g[w][1] for _, g in some)
+                parts = [statistics.median(g[w][2][i] for _, g in some) for i in range(len(PARTS))]
+                print(line(f"{name} ({len(some)} rounds, {rt:.0f} ns) ", w, lo, mid, parts), flush=True)
+        return
     for rows in args.amx_rows or [None]:
         if rows is not None:
             model._kernel.set_amx_rows(rows)
         for w in args.widths:
-            for _ in range(5):  # warm-up
-                calls[w]()
-                model.truncate(back)
-            module.parts()
-            secs = []
-            for _ in range(args.steps):
-                start = time.perf_counter()
-                calls[w]()
-                secs.append(time.perf_counter() - start)
-                model.truncate(back)
-            parts = [p / args.steps for p in module.parts()]
+            secs, parts = timed(w)
             label = f"amx_rows={rows} " if rows is not None else ""
-            print(
-                f"{label}{w} tokens: {min(secs) * 1e3:.2f} / {statistics.median(secs) * 1e3:.2f} ms; us: "
-                + " ".join(f"{name} {parts[i]:.0f}" for i, name in enumerate(PARTS)),
-                flush=True,
-            )
+            print(line(label, w, min(secs), statistics.median(secs), parts), flush=True)
 
 
 if __name__ == "__main__":

@@ -199,6 +199,35 @@ def test_w4a8_folded_jobs_give_the_same_logits(
 
 
 @requires_vnni
+@pytest.mark.parametrize("dtype", ["int4", "w4a8"])
+def test_streaming_stores_give_the_same_logits(dtype: str) -> None:
+    """Steps of up to 8 tokens write what the other thread reads next (the wo and down products'
+    outputs, the 8-bit blocks quantised ahead) with non-temporal stores (``set_stream``). Against
+    ordinary stores, on one, two and three threads: a prompt, steps of 1, 2, 5 and 9 tokens (9: past
+    the streaming calls), every logit bitwise the same."""
+    hf = _q4_llama(hidden=256)
+    ids = torch.randint(0, VOCAB, (2, 57), generator=torch.Generator().manual_seed(6))
+    fast = FastLlama.from_hf(hf, dtype=dtype, max_batch_size=2)
+    before = torch.get_num_threads()
+    got = {}
+    try:
+        for stream in (False, True):
+            fast._kernel.set_stream(stream)
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                fast.reset(2)
+                pieces = [fast.forward(ids[:, :40])]
+                steps = ((40, 1), (41, 2), (43, 5), (48, 9))
+                pieces += [fast.forward(ids[:, t : t + w]) for t, w in steps]
+                got[stream, threads] = torch.cat(pieces, dim=1)
+    finally:
+        torch.set_num_threads(before)
+        fast._kernel.set_stream(True)
+    first = got[False, 1]
+    assert all(torch.equal(first, g) for g in got.values())
+
+
+@requires_vnni
 def test_w4a8_rounds_only_the_activations() -> None:
     """w4a8 holds int4's weights (the same layout) and rounds its products' activations to 8 bits
     per block: its logits are further from float32's than int4's, by about what 8-bit activations

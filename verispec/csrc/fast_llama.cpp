@@ -461,6 +461,41 @@ inline void rows_in_parallel(int64_t M, const F& f) {
   team_for(0, M, 1, f);
 }
 
+// Calls of at most this many rows (decoding steps, verifications) write what the other thread
+// reads next with non-temporal stores (`kStoreStream`, `quantize_blocks8`'s `stream`): the products'
+// outputs that go to the norms' rows, and the 8-bit block rows the products read. With the two
+// vCPUs on different CCDs, an ordinary store to a line the other CCD has read waits for that copy
+// to be invalidated, and asking for the lines ahead (`prefetch_for_write`) did not hide it; a
+// streaming store leaves the line in memory, where the reader fetches it as it would have from the
+// other CCD. A C++ emulation of a five-token step's layer products and the handoffs between them
+// spent 2329 / 2531 us per step in each thread's products with ordinary stores, 2045 / 2242 with
+// streaming ones, as little as with outputs no thread reads (on one CCD the same either way);
+// whole w4a8 steps (benchmarks/kernel_ab.py --placement, 400 rounds, paired medians): five tokens
+// 0.939x across CCDs (355 rounds, 5.31 -> 5.00 ms), one token 0.996x; on one CCD 1.00x (45).
+constexpr int64_t kStreamRows = 8;
+
+// How block tiles store an output: added to what y holds (kStoreAdd), and non-temporally
+// (kStoreStream; y 64-byte aligned), or neither: set, through the caches.
+constexpr int kStoreAdd = 1, kStoreStream = 2;
+
+// An allocator of 64-byte aligned memory, for buffers written a cache line at a time
+// (non-temporal stores need it).
+template <typename T>
+struct Align64 {
+  using value_type = T;
+  Align64() = default;
+  template <typename U>
+  Align64(const Align64<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64})); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t{64}); }
+  template <typename U>
+  bool operator==(const Align64<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const Align64<U>&) const { return false; }
+};
+template <typename T>
+using Vec64 = std::vector<T, Align64<T>>;
+
 // In a call of M rows, asks for the lines a thread is about to write, `rows` rows of `row_bytes`
 // each `stride` bytes apart from p, all at once (PREFETCHW): a line the other thread last read is
 // then taken from it while earlier stores still wait, not a store at a time. Only in calls of at
@@ -2334,7 +2369,7 @@ struct BlockRows8 {
 // in `quantize_blocks8`, set by the product's weight format. The codes are those `block_rows8`
 // forms from the same floats, so every output is the same, bitwise.
 struct Blocks8 {
-  std::vector<uint8_t> a;     // [M, K]
+  Vec64<uint8_t> a;           // [M, K] (aligned for `quantize_blocks8`'s streaming stores)
   std::vector<float> da, sa;  // [M, K / 32]
   int64_t K = 0;
   bool offset = false;
@@ -2411,10 +2446,11 @@ constexpr int q4_tiles_for(int mr) { return mr == 1 ? 4 : mr <= 3 ? 2 : 1; }
 // The loop both block formats share: MR input rows against NT tiles (tile u's block b at w + b *
 // bstride + u * BlockBytes), `block(blk, b, f, h, l)` adding block b into the float32 sums f[MR][NT]
 // by way of the two integer sums h and l (zeroed for each block), then each output scaled by its
-// row's xs with the bias in one fma (or, with xs null, the bias added), stored or added.
+// row's xs with the bias in one fma (or, with xs null, the bias added), stored as `store` says
+// (kStoreAdd, kStoreStream).
 template <int MR, int NT, int64_t BlockBytes, typename Block>
 inline void block_tiles(int64_t B, const uint8_t* w, int64_t bstride, const float* xs, const float* bias, float* y,
-                        int64_t ldy, bool accumulate, bool prefetch, const Block& block) {
+                        int64_t ldy, int store, bool prefetch, const Block& block) {
   __m512 f[MR][NT];
 #pragma GCC unroll 5
   for (int i = 0; i < MR; ++i)
@@ -2441,8 +2477,9 @@ inline void block_tiles(int64_t B, const uint8_t* w, int64_t bstride, const floa
       const __m512 bv = bias != nullptr ? _mm512_loadu_ps(bias + kQ4Tile * u) : _mm512_setzero_ps();
       __m512 o = xs != nullptr ? _mm512_fmadd_ps(f[i][u], _mm512_set1_ps(xs[i]), bv) : _mm512_add_ps(f[i][u], bv);
       float* out = y + i * ldy + kQ4Tile * u;
-      if (accumulate) o = _mm512_add_ps(_mm512_loadu_ps(out), o);
-      _mm512_storeu_ps(out, o);
+      if (store & kStoreAdd) o = _mm512_add_ps(_mm512_loadu_ps(out), o);
+      if (store & kStoreStream) _mm512_stream_ps(out, o);
+      else _mm512_storeu_ps(out, o);
     }
 }
 
@@ -2474,9 +2511,9 @@ inline void q4_codes(const uint8_t* blk, int j, __m512i (&c0)[NT], __m512i (&c1)
 template <int MR, int NT>
 inline void q4_tile(const i8* hi, const uint8_t* lo, const float* asum, int64_t K, const uint8_t* w,
                     int64_t bstride, const float* xs, const float* bias, float* y, int64_t ldy,
-                    bool accumulate, bool prefetch) {
+                    int store, bool prefetch) {
   const int64_t B = K / 32;
-  block_tiles<MR, NT, kQ4BlockBytes>(B, w, bstride, xs, bias, y, ldy, accumulate, prefetch,
+  block_tiles<MR, NT, kQ4BlockBytes>(B, w, bstride, xs, bias, y, ldy, store, prefetch,
                                      [&](const uint8_t* blk, int64_t b, __m512 (&f)[MR][NT], __m512i (&h)[MR][NT],
                                          __m512i (&l)[MR][NT]) {
 #pragma GCC unroll 4
@@ -2525,8 +2562,8 @@ inline void q4_tile(const i8* hi, const uint8_t* lo, const float* asum, int64_t 
 // block.
 template <int MR, int NT>
 inline void q8_tile(const uint8_t* hi, const uint8_t* lo, int64_t K, const uint8_t* w, int64_t bstride,
-                    const float* xs, const float* bias, float* y, int64_t ldy, bool accumulate, bool prefetch) {
-  block_tiles<MR, NT, kQ8BlockBytes>(K / 32, w, bstride, xs, bias, y, ldy, accumulate, prefetch,
+                    const float* xs, const float* bias, float* y, int64_t ldy, int store, bool prefetch) {
+  block_tiles<MR, NT, kQ8BlockBytes>(K / 32, w, bstride, xs, bias, y, ldy, store, prefetch,
                                      [&](const uint8_t* blk, int64_t b, __m512 (&f)[MR][NT], __m512i (&h)[MR][NT],
                                          __m512i (&l)[MR][NT]) {
 #pragma GCC unroll 8
@@ -2565,9 +2602,10 @@ inline void q8_tile(const uint8_t* hi, const uint8_t* lo, int64_t K, const uint8
 // x ~= da * a, a int8 in -127..127 rounded to nearest (ties to even), da = max |x| / 127 over the
 // block (0 for a block of zeros, or one holding a NaN or an inf: its codes are 0), and sa = da *
 // sum a, the block's sum as the codes give it. With `offset`, a is stored plus 128 as an unsigned
-// byte (against signed weight codes, `q8a8_tile`). a [M, K] bytes, da and sa [M, K / 32].
+// byte (against signed weight codes, `q8a8_tile`). a [M, K] bytes, da and sa [M, K / 32]. With
+// `stream`, the codes go out with non-temporal stores (a 16-byte aligned; the caller fences).
 inline void quantize_blocks8(const float* x, int64_t M, int64_t ldx, int64_t K, uint8_t* a, float* da, float* sa,
-                             bool offset) {
+                             bool offset, bool stream = false) {
   const __m512i flip = _mm512_set1_epi32(offset ? 0x80 : 0);
   const int64_t B = K / 32;
   for (int64_t m = 0; m < M; ++m)
@@ -2585,8 +2623,15 @@ inline void quantize_blocks8(const float* x, int64_t M, int64_t ldx, int64_t K, 
       const __m512 inv = _mm512_set1_ps(127.0f / amax);
       const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));  // |q| <= 127
       const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(_mm512_xor_si512(q0, flip)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtepi32_epi8(_mm512_xor_si512(q1, flip)));
+      const __m128i c0 = _mm512_cvtepi32_epi8(_mm512_xor_si512(q0, flip));
+      const __m128i c1 = _mm512_cvtepi32_epi8(_mm512_xor_si512(q1, flip));
+      if (stream) {
+        _mm_stream_si128(reinterpret_cast<__m128i*>(out), c0);
+        _mm_stream_si128(reinterpret_cast<__m128i*>(out + 16), c1);
+      } else {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out), c0);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), c1);
+      }
       const float d = amax / 127.0f;
       da[m * B + b] = d;
       sa[m * B + b] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
@@ -2594,20 +2639,26 @@ inline void quantize_blocks8(const float* x, int64_t M, int64_t ldx, int64_t K, 
 }
 
 // Rows m0 .. m1 - 1 of x [.., b.K] (row stride ldx) into the same rows of b, asking first for the
-// lines it will write (`prefetch_rows_for_write`: in calls of at most 8 rows of M).
-inline void quantize_ahead(Blocks8& b, const float* x, int64_t ldx, int64_t M, int64_t m0, int64_t m1) {
+// lines it will write (`prefetch_rows_for_write`: in calls of at most 8 rows of M). With `stream`
+// (calls of at most kStreamRows rows), the codes go out with non-temporal stores instead (every
+// thread's product reads them), fenced before the handoff.
+inline void quantize_ahead(Blocks8& b, const float* x, int64_t ldx, int64_t M, int64_t m0, int64_t m1,
+                           bool stream = false) {
   const int64_t K = b.K, B = K / 32;
-  prefetch_rows_for_write(M, b.a.data(), K, m0, m1);
+  stream = stream && M <= kStreamRows;
+  if (!stream) prefetch_rows_for_write(M, b.a.data(), K, m0, m1);
   prefetch_rows_for_write(M, b.da.data(), B, m0, m1);
   prefetch_rows_for_write(M, b.sa.data(), B, m0, m1);
   quantize_blocks8(x + m0 * ldx, m1 - m0, ldx, K, b.a.data() + m0 * K, b.da.data() + m0 * B, b.sa.data() + m0 * B,
-                   b.offset);
+                   b.offset, stream);
+  if (stream) _mm_sfence();
 }
 
 // n values x (n % 32 == 0) into b at flat column `at` of its [M, K] rows (at % 32 == 0): one
-// attention query's output, whose D columns lie whole in one row.
-inline void quantize_span(Blocks8& b, const float* x, int64_t at, int64_t n) {
-  quantize_blocks8(x, 1, n, n, b.a.data() + at, b.da.data() + at / 32, b.sa.data() + at / 32, b.offset);
+// attention query's output, whose D columns lie whole in one row. With `stream`, the codes with
+// non-temporal stores, which the caller fences (`_mm_sfence`) before the product reads them.
+inline void quantize_span(Blocks8& b, const float* x, int64_t at, int64_t n, bool stream) {
+  quantize_blocks8(x, 1, n, n, b.a.data() + at, b.da.data() + at / 32, b.sa.data() + at / 32, b.offset, stream);
 }
 
 // x [M, K] quantised into this thread's buffers by `quantize_blocks8`.
@@ -2625,9 +2676,9 @@ inline BlockRows8 block_rows8(const float* x, int64_t M, int64_t ldx, int64_t K,
 // weights and row, half of `q4_tile`'s.
 template <int MR, int NT>
 inline void q4a8_tile(const uint8_t* a, const float* da, const float* sa, int64_t K, const uint8_t* w,
-                      int64_t bstride, const float* bias, float* y, int64_t ldy, bool accumulate, bool prefetch) {
+                      int64_t bstride, const float* bias, float* y, int64_t ldy, int store, bool prefetch) {
   const int64_t B = K / 32;
-  block_tiles<MR, NT, kQ4BlockBytes>(B, w, bstride, nullptr, bias, y, ldy, accumulate, prefetch,
+  block_tiles<MR, NT, kQ4BlockBytes>(B, w, bstride, nullptr, bias, y, ldy, store, prefetch,
                                      [&](const uint8_t* blk, int64_t b, __m512 (&f)[MR][NT], __m512i (&h)[MR][NT],
                                          __m512i (&)[MR][NT]) {
 #pragma GCC unroll 4
@@ -2667,9 +2718,9 @@ inline void q4a8_tile(const uint8_t* a, const float* da, const float* sa, int64_
 // * 32); each output's chain adds (d * da) * S per block.
 template <int MR, int NT>
 inline void q8a8_tile(const uint8_t* a, const float* da, int64_t K, const uint8_t* w, int64_t bstride,
-                      const float* bias, float* y, int64_t ldy, bool accumulate, bool prefetch) {
+                      const float* bias, float* y, int64_t ldy, int store, bool prefetch) {
   const int64_t B = K / 32;
-  block_tiles<MR, NT, kQ8BlockBytes>(B, w, bstride, nullptr, bias, y, ldy, accumulate, prefetch,
+  block_tiles<MR, NT, kQ8BlockBytes>(B, w, bstride, nullptr, bias, y, ldy, store, prefetch,
                                      [&](const uint8_t* blk, int64_t b, __m512 (&f)[MR][NT], __m512i (&h)[MR][NT],
                                          __m512i (&)[MR][NT]) {
 #pragma GCC unroll 8
@@ -2727,10 +2778,14 @@ constexpr int kQ4A8Tiles = kQ4Group;
 // With `pre` (A8 only): the activations already quantised (`Blocks8`, offset as Q8 needs), x unread.
 // With `done`: each thread's columns (whole groups of kQ4Group tiles) handed to it at the end; with
 // done->halves, the threads split pairs of groups, group p of each half (the same columns of both).
+// With `stream`, in calls of at most kStreamRows rows into 64-byte aligned rows of y: y written with
+// non-temporal stores (for outputs the other thread reads next).
 template <bool Q8 = false, bool A8 = false>
 void linear_q4_tiles(const float* x, int64_t M, int64_t ldx, const uint8_t* wt, int64_t N, int64_t K,
                      const float* bias, float* y, int64_t ldy, bool accumulate, const Blocks8* pre,
-                     const ColumnsDone* done) {
+                     const ColumnsDone* done, bool stream) {
+  stream = stream && M <= kStreamRows && reinterpret_cast<uintptr_t>(y) % 64 == 0 && ldy % kQ4Tile == 0;
+  const int store = (accumulate ? kStoreAdd : 0) | (stream ? kStoreStream : 0);
   ByteRows rows_q{};
   BlockRows8 rows8{};
   if constexpr (A8)
@@ -2747,8 +2802,10 @@ void linear_q4_tiles(const float* x, int64_t M, int64_t ldx, const uint8_t* wt, 
   team_for(0, halves ? groups / 2 : groups, 1, [&](int64_t i0, int64_t i1) {
     constexpr int64_t F = sizeof(float), GC = kQ4Group * kQ4Tile;
     const int64_t c0 = i0 * GC, c1 = std::min(N, i1 * GC);  // its columns (of each half, with halves)
-    if (halves) prefetch_for_write(M, y + N / 2 + c0, M, (c1 - c0) * F, ldy * F);
-    prefetch_for_write(M, y + c0, M, (c1 - c0) * F, ldy * F);
+    if (!stream) {
+      if (halves) prefetch_for_write(M, y + N / 2 + c0, M, (c1 - c0) * F, ldy * F);
+      prefetch_for_write(M, y + c0, M, (c1 - c0) * F, ldy * F);
+    }
     const int64_t n = halves ? 2 : 1;  // groups per item: with halves, p then groups / 2 + p
     for (int64_t v = i0 * n; v < i1 * n; ++v) {
       const int64_t g = halves ? v % 2 * (groups / 2) + v / 2 : v;
@@ -2773,40 +2830,42 @@ void linear_q4_tiles(const float* x, int64_t M, int64_t ldx, const uint8_t* wt, 
               const float* bj = bias ? bias + j : nullptr;
               float* yj = y + m * ldy + j;
               if constexpr (A8 && Q8)
-                q8a8_tile<MR, TN>(rows8.a + m * K, rows8.da + m * B, K, tw, bstride, bj, yj, ldy, accumulate, m == 0);
+                q8a8_tile<MR, TN>(rows8.a + m * K, rows8.da + m * B, K, tw, bstride, bj, yj, ldy, store, m == 0);
               else if constexpr (A8)
                 q4a8_tile<MR, TN>(rows8.a + m * K, rows8.da + m * B, rows8.sa + m * B, K, tw, bstride, bj, yj, ldy,
-                                  accumulate, m == 0);
+                                  store, m == 0);
               else if constexpr (Q8)
                 q8_tile<MR, TN>(reinterpret_cast<const uint8_t*>(rows_q.hi) + m * K, rows_q.lo + m * K, K, tw,
-                                bstride, rows_q.xs + m, bj, yj, ldy, accumulate, m == 0);
+                                bstride, rows_q.xs + m, bj, yj, ldy, store, m == 0);
               else
                 q4_tile<MR, TN>(rows_q.hi + m * K, rows_q.lo + m * K, as + m * B, K, tw, bstride, rows_q.xs + m, bj,
-                                yj, ldy, accumulate, m == 0);
+                                yj, ldy, store, m == 0);
             });
           }
         });
       }
     }
+    if (stream) _mm_sfence();  // the streamed lines reach memory before the team's handoff
     if (done) done->fn(done->ctx, c0, c1);
   });
 }
 
 // linear_q4_tiles for W's block format (`q8`: `q8_pack`'s, else `q4_pack`'s) and the activations'
 // (`a8`: 8-bit blocks, else int16 rows), chosen at run time.
-// `pre` (a8 only) and `done` as in linear_q4_tiles.
+// `pre` (a8 only), `done` and `stream` as in linear_q4_tiles.
 inline void linear_block_tiles(bool q8, bool a8, const float* x, int64_t M, int64_t ldx, const uint8_t* wt, int64_t N,
                                int64_t K, const float* bias, float* y, int64_t ldy, bool accumulate,
-                               const Blocks8* pre = nullptr, const ColumnsDone* done = nullptr) {
+                               const Blocks8* pre = nullptr, const ColumnsDone* done = nullptr,
+                               bool stream = false) {
   auto* f = q8 ? (a8 ? &linear_q4_tiles<true, true> : &linear_q4_tiles<true, false>)
                : (a8 ? &linear_q4_tiles<false, true> : &linear_q4_tiles<false, false>);
-  f(x, M, ldx, wt, N, K, bias, y, ldy, accumulate, a8 ? pre : nullptr, done);
+  f(x, M, ldx, wt, N, K, bias, y, ldy, accumulate, a8 ? pre : nullptr, done, stream);
 }
 #else
-inline void quantize_ahead(Blocks8&, const float*, int64_t, int64_t, int64_t, int64_t) {
+inline void quantize_ahead(Blocks8&, const float*, int64_t, int64_t, int64_t, int64_t, bool = false) {
   TORCH_CHECK(false, "8-bit block activations need AVX-512 VNNI");  // never asked for: see `ahead`
 }
-inline void quantize_span(Blocks8&, const float*, int64_t, int64_t) {
+inline void quantize_span(Blocks8&, const float*, int64_t, int64_t, bool) {
   TORCH_CHECK(false, "8-bit block activations need AVX-512 VNNI");
 }
 #endif
@@ -4087,6 +4146,11 @@ class FastLlamaKernel {
   // and gate/up products' threads). Every logit is the same either way; for tests and A/B runs.
   void set_fuse(bool on) { fuse_ = on; }
 
+  // Whether steps of at most kStreamRows tokens write what the other thread reads next (the wo and
+  // down products' outputs, the 8-bit blocks the norms, the attention and SwiGLU quantise ahead)
+  // with non-temporal stores. Every logit is the same either way; for tests and A/B runs.
+  void set_stream(bool on) { stream_ = on; }
+
   // The int8 head and embedding of int4 and w4a8 (`set_head`, which must come first) also as exact
   // 8-bit blocks in `q8_pack`'s layout (either may be None): head products then multiply them in
   // integers (`q8_tile`, `q8a8_tile`), and embedding rows are read from them exactly. A tied head
@@ -4511,10 +4575,12 @@ class FastLlamaKernel {
   // where it has them, for calls of up to q4_rows_ tokens (a layer's 4-bit blocks, `set_q4`) or
   // head_q8_rows_ rows (the head's 8-bit blocks, `set_head_q8`), else `linear`.
   // `pre`: x already quantised into 8-bit blocks (`ahead`), where W takes them; `done` then handed
-  // each thread's columns at the end of its chunk (`linear_q4_tiles`).
+  // each thread's columns at the end of its chunk (`linear_q4_tiles`). `stream`: y goes to the other
+  // thread next, so block tiles write it with non-temporal stores where they can (`linear_q4_tiles`).
   template <typename WT>
   void product(const Mat& W, const float* x, int64_t M, int64_t K, int64_t N, const float* bias, float* y,
-               bool accumulate, const Blocks8* pre = nullptr, const ColumnsDone* done = nullptr) {
+               bool accumulate, const Blocks8* pre = nullptr, const ColumnsDone* done = nullptr,
+               bool stream = false) {
     if constexpr (std::is_same_v<WT, float>) {
       if (W.q4.defined() && M <= q4_rows_) {
         const Q4Blocks blocks{{W.q4.data_ptr<uint8_t>(), K / 32, N, 0}};
@@ -4532,7 +4598,7 @@ class FastLlamaKernel {
       if (W.q4i.defined() || W.q8i.defined()) {
         const bool q8 = !W.q4i.defined();
         linear_block_tiles(q8, act8_, x, M, K, (q8 ? W.q8i : W.q4i).data_ptr<uint8_t>(), N, K, bias, y, N, accumulate,
-                           pre, pre ? done : nullptr);
+                           pre, pre ? done : nullptr, stream);
         return;
       }
 #endif
@@ -4620,7 +4686,7 @@ class FastLlamaKernel {
     // writes its input, row by row or query by query as each is finished (`ahead`).
     auto norm = [&](const at::Tensor& w, Blocks8* q) {
       rmsnorm_then(x, M, H, w.data_ptr<float>(), eps_, xn, [&](int64_t m0, int64_t m1) {
-        if (q) quantize_ahead(*q, xn, H, M, m0, m1);
+        if (q) quantize_ahead(*q, xn, H, M, m0, m1, stream_);
       });
     };
     // Where the qkv product takes 8-bit blocks, its threads split it by groups of kQ4Group tiles;
@@ -4642,7 +4708,7 @@ class FastLlamaKernel {
       if (!heads_at) write_kv(l, M, sl, ps, cos, sin);
       Blocks8* qa = D % 32 == 0 ? ahead<WT>(L.wo, M, HQD, attq_) : nullptr;
       attention(l, M, ps, qa);
-      product<WT>(L.wo, att_.data(), M, HQD, H, opt(L.bo), x, true, qa);
+      product<WT>(L.wo, att_.data(), M, HQD, H, opt(L.bo), x, true, qa, nullptr, stream_);
       q = ahead<WT>(L.wgu, M, H, xq_);
       norm(L.post_norm, q);
       Blocks8* qd = ahead<WT>(L.wdown, M, I, actq_);
@@ -4654,7 +4720,7 @@ class FastLlamaKernel {
         product<WT>(L.wgu, xn, M, H, 2 * I, nullptr, gu_.data(), false, q);
         swiglu(M, I, qd);
       }
-      product<WT>(L.wdown, act_.data(), M, I, H, nullptr, x, true, qd);
+      product<WT>(L.wdown, act_.data(), M, I, H, nullptr, x, true, qd, nullptr, stream_);
     }
 
     if (keep_hidden_) {
@@ -4899,12 +4965,14 @@ class FastLlamaKernel {
   void swiglu_columns(int64_t M, int64_t c0, int64_t c1, Blocks8* q) {
 #if defined(__AVX512F__)
     const int64_t I = I_;
+    const bool stream = q != nullptr && stream_ && M <= kStreamRows;
     for (int64_t m = 0; m < M; ++m) {
       const float* g = gu_.data() + m * 2 * I;
       float* a = act_.data() + m * I;
       swiglu16(g + c0, g + I + c0, nullptr, nullptr, a + c0, c1 - c0);
-      if (q) quantize_span(*q, a + c0, m * I + c0, c1 - c0);
+      if (q) quantize_span(*q, a + c0, m * I + c0, c1 - c0, stream);
     }
+    if (stream) _mm_sfence();
 #else
     (void)M, (void)c0, (void)c1, (void)q;
     TORCH_CHECK(false, "8-bit block activations need AVX-512");
@@ -4914,15 +4982,18 @@ class FastLlamaKernel {
   // With q, each thread then quantises its rows into q (`ahead`).
   void swiglu(int64_t M, int64_t I, Blocks8* q) {
     swiglu_rows_then<float>(gu_.data(), nullptr, M, I, act_.data(), [&](int64_t m0, int64_t m1) {
-      if (q) quantize_ahead(*q, act_.data(), I, M, m0, m1);
+      if (q) quantize_ahead(*q, act_.data(), I, M, m0, m1, stream_);
     });
   }
 
   // Each of an item's n queries' outputs into q's 8-bit blocks (none without q), where the wo
-  // product takes them (`ahead`): on the thread that computed them, as soon as they are final.
+  // product takes them (`ahead`): on the thread that computed them, as soon as they are final;
+  // streamed in calls of at most kStreamRows rows (`quantize_blocks8`).
   void quantize_outputs(Blocks8* q, const int64_t* qs, int64_t n) {
     if (!q) return;
-    for (int64_t a = 0; a < n; ++a) quantize_span(*q, att_.data() + qs[a] * D_, qs[a] * D_, D_);
+    const bool stream = stream_ && static_cast<int64_t>(q->a.size()) <= kStreamRows * q->K;
+    for (int64_t a = 0; a < n; ++a) quantize_span(*q, att_.data() + qs[a] * D_, qs[a] * D_, D_, stream);
+    if (stream) _mm_sfence();
   }
 
   // Causal attention of each token over its own row's cache positions 0 .. ctx - 1, then itself
@@ -5143,6 +5214,7 @@ class FastLlamaKernel {
   bool act8_ = false;                 // block matrices (`add_layer_q4`, `set_q8i`) take 8-bit activations
   bool team_ = true;                  // forwards run in one parallel region (`set_team`)
   bool fuse_ = true;                  // w4a8's row jobs folded into the jobs before them (`set_fuse`)
+  bool stream_ = true;                // non-temporal stores for what crosses to the other thread (`set_stream`)
   Blocks8 xq_, attq_, actq_;          // the products' 8-bit block inputs, quantised ahead (`ahead`)
   int64_t head_q8_rows_ = kBlockMostRows;  // whole-head logits of up to this many rows read 8-bit blocks
   Schedule schedule_;
@@ -5159,7 +5231,7 @@ class FastLlamaKernel {
   std::vector<int64_t> cand_;
   int64_t screened_rows_ = 0, screen_fallbacks_ = 0;
   std::vector<at::Tensor> kc_, vc_;
-  std::vector<float> x_, xn_, qkv_, att_, gu_, act_;
+  Vec64<float> x_, xn_, qkv_, att_, gu_, act_;  // aligned for streaming stores
   std::vector<AttnItem> items_;
   std::vector<int64_t> queries_;  // m * Hq + h, grouped by item
 };
@@ -5175,6 +5247,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_act8", &FastLlamaKernel::set_act8)
       .def("set_team", &FastLlamaKernel::set_team)
       .def("set_fuse", &FastLlamaKernel::set_fuse)
+      .def("set_stream", &FastLlamaKernel::set_stream)
       .def("set_head", &FastLlamaKernel::set_head)
       .def("set_paired", &FastLlamaKernel::set_paired)
       .def("set_amx", &FastLlamaKernel::set_amx)
