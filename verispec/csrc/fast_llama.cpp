@@ -2436,9 +2436,18 @@ constexpr int64_t kQ4Prefetch = 16 * 1024;
 // weights at about 34 GB/s where the memory gives 55-65 (from the caches the same products run at
 // 77-100 GB/s); w4a8 one-token steps at 200 cached tokens (benchmarks/kernel_ab.py --placement,
 // 500 rounds, paired medians, session 50): 0.957x across CCDs (3.39 -> 3.30 ms), 0.972x on one CCD
-// (38 rounds; 0.995x in 272 of an earlier run). Asking for it in passes of more rows too cost 1-2%
-// at five tokens on one CCD; 80 KB ahead, 8-9% everywhere.
+// (38 rounds; 0.995x in 272 of an earlier run). Asking for it in the layers' passes of more rows
+// too cost 1-2% at five tokens on one CCD (their 5-row passes are bound by the multiplies); 80 KB
+// ahead, 8-9% everywhere. The head's 8-bit blocks (`q8_pack`), read at the memory's rate even in
+// passes of five rows, ask for it in every pass (`far_prefetch`): five-token steps 0.962x on one
+// CCD (4.50 -> 4.33 ms, 89 rounds) and 0.978x across (111), session 51.
 constexpr int64_t kQ4FarPrefetch = 3 * kQ4Prefetch;
+
+// Whether a pass of MR rows over blocks of BlockBytes also asks for bytes kQ4FarPrefetch ahead.
+template <int MR, int64_t BlockBytes>
+constexpr bool far_prefetch() {
+  return MR == 1 || BlockBytes == kQ8BlockBytes;
+}
 
 // Tiles for MR input rows at a time: registers 3 MR NT (sums) + 2 NT (codes) + 4 (broadcasts) <= 32.
 constexpr int q4_tiles_for(int mr) { return mr == 1 ? 4 : mr <= 3 ? 2 : 1; }
@@ -2461,7 +2470,8 @@ inline void block_tiles(int64_t B, const uint8_t* w, int64_t bstride, const floa
     if (prefetch)
       for (int64_t o = 0; o < NT * BlockBytes; o += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(blk + kQ4Prefetch + o), _MM_HINT_T1);
-        if constexpr (MR == 1) _mm_prefetch(reinterpret_cast<const char*>(blk + kQ4FarPrefetch + o), _MM_HINT_T2);
+        if constexpr (far_prefetch<MR, BlockBytes>())
+          _mm_prefetch(reinterpret_cast<const char*>(blk + kQ4FarPrefetch + o), _MM_HINT_T2);
       }
     __m512i h[MR][NT], l[MR][NT];
 #pragma GCC unroll 5
