@@ -47,12 +47,12 @@ _LAYER = [
     ("product<WT>(L.wqkv, xn, M, H, QKV, opt(L.bqkv), qkv, false, q, heads_at);", 2),
     ("if (!heads_at) write_kv(l, M, sl, ps, cos, sin);", 3),
     ("attention(l, M, ps, qa);", 4),
-    ("product<WT>(L.wo, att_.data(), M, HQD, H, opt(L.bo), x, true, qa, nullptr, stream_);", 5),
+    ("product<WT>(L.wo, att_.data(), M, HQD, H, opt(L.bo), x, true, qa, nullptr, stream);", 5),
     ("norm(L.post_norm, q);", 1),
     ("product<WT>(L.wgu, xn, M, H, 2 * I, nullptr, gu_.data(), false, q, &swiglu_done);", 6),
     ("product<WT>(L.wgu, xn, M, H, 2 * I, nullptr, gu_.data(), false, q);", 6),
     ("swiglu(M, I, qd);", 7),
-    ("product<WT>(L.wdown, act_.data(), M, I, H, nullptr, x, true, qd, nullptr, stream_);", 8),
+    ("product<WT>(L.wdown, act_.data(), M, I, H, nullptr, x, true, qd, nullptr, stream);", 8),
 ]
 _CLOCK = """#include <vector>
 #include <chrono>

@@ -2366,16 +2366,20 @@ struct BlockRows8 {
 // and the attention quantise each row or query output as they finish it (`quantize_ahead`,
 // `FastLlamaKernel::run`), so the product takes them as they are instead of quantising its input in
 // a job of its own (the threads' handoff, and each row read back by the other thread). `offset` as
-// in `quantize_blocks8`, set by the product's weight format. The codes are those `block_rows8`
-// forms from the same floats, so every output is the same, bitwise.
+// in `quantize_blocks8`, set by the product's weight format; `stream`: the codes go out with
+// non-temporal stores (`quantize_ahead`, `quantize_span`; calls of at most kStreamRows rows), fenced
+// by the job that writes them. The codes are those `block_rows8` forms from the same floats, so every
+// output is the same, bitwise.
 struct Blocks8 {
   Vec64<uint8_t> a;           // [M, K] (aligned for `quantize_blocks8`'s streaming stores)
   std::vector<float> da, sa;  // [M, K / 32]
   int64_t K = 0;
   bool offset = false;
-  void resize(int64_t M, int64_t k, bool off) {
+  bool stream = false;
+  void resize(int64_t M, int64_t k, bool off, bool streamed = false) {
     K = k;
     offset = off;
+    stream = streamed;
     a.resize(M * K);
     da.resize(M * (K / 32));
     sa.resize(M * (K / 32));
@@ -2649,26 +2653,23 @@ inline void quantize_blocks8(const float* x, int64_t M, int64_t ldx, int64_t K, 
 }
 
 // Rows m0 .. m1 - 1 of x [.., b.K] (row stride ldx) into the same rows of b, asking first for the
-// lines it will write (`prefetch_rows_for_write`: in calls of at most 8 rows of M). With `stream`
-// (calls of at most kStreamRows rows), the codes go out with non-temporal stores instead (every
-// thread's product reads them), fenced before the handoff.
-inline void quantize_ahead(Blocks8& b, const float* x, int64_t ldx, int64_t M, int64_t m0, int64_t m1,
-                           bool stream = false) {
+// lines it will write (`prefetch_rows_for_write`: in calls of at most 8 rows of M); b's streamed
+// codes (`Blocks8::stream`) are not asked for, and are fenced before the handoff.
+inline void quantize_ahead(Blocks8& b, const float* x, int64_t ldx, int64_t M, int64_t m0, int64_t m1) {
   const int64_t K = b.K, B = K / 32;
-  stream = stream && M <= kStreamRows;
-  if (!stream) prefetch_rows_for_write(M, b.a.data(), K, m0, m1);
+  if (!b.stream) prefetch_rows_for_write(M, b.a.data(), K, m0, m1);
   prefetch_rows_for_write(M, b.da.data(), B, m0, m1);
   prefetch_rows_for_write(M, b.sa.data(), B, m0, m1);
   quantize_blocks8(x + m0 * ldx, m1 - m0, ldx, K, b.a.data() + m0 * K, b.da.data() + m0 * B, b.sa.data() + m0 * B,
-                   b.offset, stream);
-  if (stream) _mm_sfence();
+                   b.offset, b.stream);
+  if (b.stream) _mm_sfence();
 }
 
 // n values x (n % 32 == 0) into b at flat column `at` of its [M, K] rows (at % 32 == 0): one
-// attention query's output, whose D columns lie whole in one row. With `stream`, the codes with
-// non-temporal stores, which the caller fences (`_mm_sfence`) before the product reads them.
-inline void quantize_span(Blocks8& b, const float* x, int64_t at, int64_t n, bool stream) {
-  quantize_blocks8(x, 1, n, n, b.a.data() + at, b.da.data() + at / 32, b.sa.data() + at / 32, b.offset, stream);
+// attention query's output, whose D columns lie whole in one row. b's streamed codes
+// (`Blocks8::stream`) are left for the caller to fence (`_mm_sfence`) before the product reads them.
+inline void quantize_span(Blocks8& b, const float* x, int64_t at, int64_t n) {
+  quantize_blocks8(x, 1, n, n, b.a.data() + at, b.da.data() + at / 32, b.sa.data() + at / 32, b.offset, b.stream);
 }
 
 // x [M, K] quantised into this thread's buffers by `quantize_blocks8`.
@@ -2788,13 +2789,13 @@ constexpr int kQ4A8Tiles = kQ4Group;
 // With `pre` (A8 only): the activations already quantised (`Blocks8`, offset as Q8 needs), x unread.
 // With `done`: each thread's columns (whole groups of kQ4Group tiles) handed to it at the end; with
 // done->halves, the threads split pairs of groups, group p of each half (the same columns of both).
-// With `stream`, in calls of at most kStreamRows rows into 64-byte aligned rows of y: y written with
-// non-temporal stores (for outputs the other thread reads next).
+// With `stream` (the caller's choice: `FastLlamaKernel::streams`), and y's rows 64-byte aligned: y
+// written with non-temporal stores (for outputs the other thread reads next).
 template <bool Q8 = false, bool A8 = false>
 void linear_q4_tiles(const float* x, int64_t M, int64_t ldx, const uint8_t* wt, int64_t N, int64_t K,
                      const float* bias, float* y, int64_t ldy, bool accumulate, const Blocks8* pre,
                      const ColumnsDone* done, bool stream) {
-  stream = stream && M <= kStreamRows && reinterpret_cast<uintptr_t>(y) % 64 == 0 && ldy % kQ4Tile == 0;
+  stream = stream && reinterpret_cast<uintptr_t>(y) % 64 == 0 && ldy % kQ4Tile == 0;
   const int store = (accumulate ? kStoreAdd : 0) | (stream ? kStoreStream : 0);
   ByteRows rows_q{};
   BlockRows8 rows8{};
@@ -2872,10 +2873,10 @@ inline void linear_block_tiles(bool q8, bool a8, const float* x, int64_t M, int6
   f(x, M, ldx, wt, N, K, bias, y, ldy, accumulate, a8 ? pre : nullptr, done, stream);
 }
 #else
-inline void quantize_ahead(Blocks8&, const float*, int64_t, int64_t, int64_t, int64_t, bool = false) {
+inline void quantize_ahead(Blocks8&, const float*, int64_t, int64_t, int64_t, int64_t) {
   TORCH_CHECK(false, "8-bit block activations need AVX-512 VNNI");  // never asked for: see `ahead`
 }
-inline void quantize_span(Blocks8&, const float*, int64_t, int64_t, bool) {
+inline void quantize_span(Blocks8&, const float*, int64_t, int64_t) {
   TORCH_CHECK(false, "8-bit block activations need AVX-512 VNNI");
 }
 #endif
@@ -4161,6 +4162,9 @@ class FastLlamaKernel {
   // with non-temporal stores. Every logit is the same either way; for tests and A/B runs.
   void set_stream(bool on) { stream_ = on; }
 
+  // Whether a call of M rows streams what crosses to the other thread (`set_stream`, kStreamRows).
+  bool streams(int64_t M) const { return stream_ && M <= kStreamRows; }
+
   // The int8 head and embedding of int4 and w4a8 (`set_head`, which must come first) also as exact
   // 8-bit blocks in `q8_pack`'s layout (either may be None): head products then multiply them in
   // integers (`q8_tile`, `q8a8_tile`), and embedding rows are read from them exactly. A tied head
@@ -4639,7 +4643,7 @@ class FastLlamaKernel {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     if constexpr (std::is_same_v<WT, i8>) {
       if (fuse_ && act8_ && (W.q4i.defined() || W.q8i.defined()) && K % 32 == 0) {
-        buf.resize(M, K, !W.q4i.defined());
+        buf.resize(M, K, !W.q4i.defined(), streams(M));
         return &buf;
       }
     }
@@ -4696,7 +4700,7 @@ class FastLlamaKernel {
     // writes its input, row by row or query by query as each is finished (`ahead`).
     auto norm = [&](const at::Tensor& w, Blocks8* q) {
       rmsnorm_then(x, M, H, w.data_ptr<float>(), eps_, xn, [&](int64_t m0, int64_t m1) {
-        if (q) quantize_ahead(*q, xn, H, M, m0, m1, stream_);
+        if (q) quantize_ahead(*q, xn, H, M, m0, m1);
       });
     };
     // Where the qkv product takes 8-bit blocks, its threads split it by groups of kQ4Group tiles;
@@ -4707,6 +4711,7 @@ class FastLlamaKernel {
     // and the down product's 8-bit blocks of them, as its chunk's last step: no SwiGLU job, and no
     // gate or up row read by the other thread. Each element's arithmetic is swiglu_rows's (swiglu16).
     const bool heads_whole = D == kQ4Group * kQ4Tile, swiglu_whole = I % (kQ4Group * kQ4Tile) == 0;
+    const bool stream = streams(M);  // the wo and down products' outputs go to the norms' rows
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& L = layers_[l];
       Blocks8* q = ahead<WT>(L.wqkv, M, H, xq_);
@@ -4718,7 +4723,7 @@ class FastLlamaKernel {
       if (!heads_at) write_kv(l, M, sl, ps, cos, sin);
       Blocks8* qa = D % 32 == 0 ? ahead<WT>(L.wo, M, HQD, attq_) : nullptr;
       attention(l, M, ps, qa);
-      product<WT>(L.wo, att_.data(), M, HQD, H, opt(L.bo), x, true, qa, nullptr, stream_);
+      product<WT>(L.wo, att_.data(), M, HQD, H, opt(L.bo), x, true, qa, nullptr, stream);
       q = ahead<WT>(L.wgu, M, H, xq_);
       norm(L.post_norm, q);
       Blocks8* qd = ahead<WT>(L.wdown, M, I, actq_);
@@ -4730,7 +4735,7 @@ class FastLlamaKernel {
         product<WT>(L.wgu, xn, M, H, 2 * I, nullptr, gu_.data(), false, q);
         swiglu(M, I, qd);
       }
-      product<WT>(L.wdown, act_.data(), M, I, H, nullptr, x, true, qd, nullptr, stream_);
+      product<WT>(L.wdown, act_.data(), M, I, H, nullptr, x, true, qd, nullptr, stream);
     }
 
     if (keep_hidden_) {
@@ -4975,14 +4980,13 @@ class FastLlamaKernel {
   void swiglu_columns(int64_t M, int64_t c0, int64_t c1, Blocks8* q) {
 #if defined(__AVX512F__)
     const int64_t I = I_;
-    const bool stream = q != nullptr && stream_ && M <= kStreamRows;
     for (int64_t m = 0; m < M; ++m) {
       const float* g = gu_.data() + m * 2 * I;
       float* a = act_.data() + m * I;
       swiglu16(g + c0, g + I + c0, nullptr, nullptr, a + c0, c1 - c0);
-      if (q) quantize_span(*q, a + c0, m * I + c0, c1 - c0, stream);
+      if (q) quantize_span(*q, a + c0, m * I + c0, c1 - c0);
     }
-    if (stream) _mm_sfence();
+    if (q && q->stream) _mm_sfence();
 #else
     (void)M, (void)c0, (void)c1, (void)q;
     TORCH_CHECK(false, "8-bit block activations need AVX-512");
@@ -4992,18 +4996,16 @@ class FastLlamaKernel {
   // With q, each thread then quantises its rows into q (`ahead`).
   void swiglu(int64_t M, int64_t I, Blocks8* q) {
     swiglu_rows_then<float>(gu_.data(), nullptr, M, I, act_.data(), [&](int64_t m0, int64_t m1) {
-      if (q) quantize_ahead(*q, act_.data(), I, M, m0, m1, stream_);
+      if (q) quantize_ahead(*q, act_.data(), I, M, m0, m1);
     });
   }
 
   // Each of an item's n queries' outputs into q's 8-bit blocks (none without q), where the wo
-  // product takes them (`ahead`): on the thread that computed them, as soon as they are final;
-  // streamed in calls of at most kStreamRows rows (`quantize_blocks8`).
+  // product takes them (`ahead`): on the thread that computed them, as soon as they are final.
   void quantize_outputs(Blocks8* q, const int64_t* qs, int64_t n) {
     if (!q) return;
-    const bool stream = stream_ && static_cast<int64_t>(q->a.size()) <= kStreamRows * q->K;
-    for (int64_t a = 0; a < n; ++a) quantize_span(*q, att_.data() + qs[a] * D_, qs[a] * D_, D_, stream);
-    if (stream) _mm_sfence();
+    for (int64_t a = 0; a < n; ++a) quantize_span(*q, att_.data() + qs[a] * D_, qs[a] * D_, D_);
+    if (q->stream) _mm_sfence();
   }
 
   // Causal attention of each token over its own row's cache positions 0 .. ctx - 1, then itself
