@@ -33,7 +33,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from verispec.bench.measure import placement_cut
+from verispec.bench.measure import placement_groups
 from verispec.models import fast_llama
 from verispec.models.loading import load_model
 from verispec.models.schedule import time_forwards
@@ -134,14 +134,13 @@ def split_by_placement(
 ) -> None:
     """The rounds again, split where the threads' cores sat: a cache line's round trip between two
     threads read before each round (the kernel's ``core_roundtrip_ns``), cut at the geometric mean
-    of the least and the most as ``verispec bench`` cuts its verify readings (``placement_cut``)."""
-    cut = placement_cut(roundtrips)
-    if cut is None:
+    of the least and the most as ``verispec bench`` cuts its verify readings (``placement_groups``)."""
+    groups = placement_groups(roundtrips)
+    if groups is None:
         seen = f"{min(roundtrips):.0f}-{max(roundtrips):.0f} ns" if roundtrips else "none"
         print(f"placement: not split (round trips {seen}: one placement all run, or not read)")
         return
-    for name, keep in (("near", lambda t: t < cut), ("far", lambda t: t >= cut)):
-        rounds = [r for r, t in enumerate(roundtrips) if keep(t)]
+    for name, rounds in groups.items():
         ns = statistics.median(roundtrips[r] for r in rounds)
         report(sources, times, rounds, f"{name} ({len(rounds)} rounds, {ns:.0f} ns) ")
 

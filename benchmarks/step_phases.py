@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from verispec.bench.measure import core_roundtrip_ns, placement_cut
+from verispec.bench.measure import core_roundtrip_ns, placement_groups
 from verispec.models import fast_llama
 from verispec.models.loading import load_model
 from verispec.models.schedule import _calls
@@ -144,15 +144,12 @@ def main() -> None:
                 secs, parts = timed(w, warm=1)
                 got[w] = (min(secs), statistics.median(secs), parts)
             rounds.append((rt, got))
-        cut = placement_cut([rt for rt, _ in rounds])
-        if cut is None:  # one placement all along (or none read): one group, named by its round trips
-            groups = [(f"{min(rt for rt, _ in rounds):.0f}-{max(rt for rt, _ in rounds):.0f} ns", rounds)]
-        else:
-            groups = [
-                ("near", [(rt, got) for rt, got in rounds if rt < cut]),
-                ("far", [(rt, got) for rt, got in rounds if rt >= cut]),
-            ]
-        for name, some in groups:
+        times = [rt for rt, _ in rounds]
+        split = placement_groups(times)
+        if split is None:  # one placement all along (or none read): one group, named by its round trips
+            split = {f"{min(times):.0f}-{max(times):.0f} ns": list(range(len(rounds)))}
+        for name, indices in split.items():
+            some = [rounds[i] for i in indices]
             rt = statistics.median(r for r, _ in some)
             for w in args.widths:
                 lo = statistics.median(g[w][0] for _, g in some)

@@ -131,6 +131,18 @@ def placement_cut(roundtrips: list[float]) -> float | None:
     return None if most < 2 * least else (least * most) ** 0.5
 
 
+def placement_groups(roundtrips: list[float]) -> dict[str, list[int]] | None:
+    """The indices of ``roundtrips`` read with the cores near (below :func:`placement_cut`) and far:
+    ``{"near": [...], "far": [...]}``, or None where they do not split (one placement all along)."""
+    cut = placement_cut(roundtrips)
+    if cut is None:
+        return None
+    return {
+        "near": [i for i, t in enumerate(roundtrips) if t < cut],
+        "far": [i for i, t in enumerate(roundtrips) if t >= cut],
+    }
+
+
 def by_placement(ratios: list[float], roundtrips: list[float | None]) -> dict | None:
     """The verify-cost readings split by how far apart the cores were when each was taken: each
     ratio is paired with the core round trip read beside it (:func:`core_roundtrip_ns`). Readings
@@ -138,13 +150,13 @@ def by_placement(ratios: list[float], roundtrips: list[float | None]) -> dict | 
     ``far``; each part gives its readings, median ratio and median round trip (ns). None when the
     round trips were not read, or their most is under twice their least (one placement all run)."""
     pairs = [(r, t) for r, t in zip(ratios, roundtrips) if t is not None]
-    cut = placement_cut([t for _, t in pairs])
-    if cut is None:
+    times = [t for _, t in pairs]
+    groups = placement_groups(times)
+    if groups is None:
         return None
-    out: dict = {"roundtrip_cut_ns": cut}
-    near = [p for p in pairs if p[1] < cut]
-    far = [p for p in pairs if p[1] >= cut]
-    for name, part in (("near", near), ("far", far)):
+    out: dict = {"roundtrip_cut_ns": placement_cut(times)}
+    for name, indices in groups.items():
+        part = [pairs[i] for i in indices]
         out[name] = {
             "readings": len(part),
             "verify_cost_ratio": statistics.median(r for r, _ in part),
