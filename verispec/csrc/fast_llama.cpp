@@ -3130,28 +3130,36 @@ inline void weighted_queries3(const float* const* p, const KT* v, int64_t j0, in
 
 // One block of keys j0 .. j0 + JB - 1 for an item's n queries (query(a): its float32 vector;
 // end(a, j0): where its keys in the block end): scores into p[a * S + j]. With head_dim 64 on
-// AVX-512, groups of 3 (2 where 2 or 4 are left) share their key loads over the keys all of them
-// attend to, in whole 8s; each query's other keys, and every query elsewhere, go through `scores`.
-// Every score is dot()'s, however the queries are grouped.
+// AVX-512, groups of 6 (while 6 are left), then of 3 (2 where 2 or 4 are left) share their key
+// loads over the keys all of them attend to, in whole 8s; each query's other keys, and every query
+// elsewhere, go through `scores`. Every score is dot()'s, however the queries are grouped.
+// Groups of 6 (a verification's items of two tokens) convert each float16 key once for six
+// queries instead of twice for three: on the 2-core Zen 4, one thread, 704 keys in L2
+// (/tmp/s52/mb/attn.cpp), 4.43 -> 3.79 TSC cycles per query and key (the multiply-adds alone
+// 2.86; hsum8_pairs about 0.8 of the rest). Whole w4a8 steps (benchmarks/kernel_ab.py
+// --placement, paired medians, session 52): five tokens at 700 cached tokens 0.976x and 0.973x
+// (60 and 100 rounds, both placements alike), at 200 within the noise (0.99-1.005x); one token,
+// whose items hold three queries, unchanged.
 template <typename KT, typename Query, typename End>
 inline void block_scores(int64_t n, int64_t j0, const KT* K, int64_t D, int64_t S, const Query& query,
                          const End& end, float* p) {
   int64_t a = 0;
 #if defined(__AVX512F__)
   while (D == kGroupedHeadDim && a < n) {
-    const int64_t take = (n - a) % 3 == 1 && n - a > 1 ? 2 : std::min<int64_t>(3, n - a);
+    const int64_t take = n - a >= 6 ? 6 : (n - a) % 3 == 1 && n - a > 1 ? 2 : std::min<int64_t>(3, n - a);
     int64_t common = j0;
     if (take > 1) {
       int64_t e = end(a, j0);
       for (int64_t x = 1; x < take; ++x) e = std::min(e, end(a + x, j0));
       common = e > j0 ? j0 + (e - j0) / 8 * 8 : j0;
     }
-    const float* q[3];
-    float* o[3];
+    const float* q[6];
+    float* o[6];
     for (int64_t x = 0; x < take; ++x) q[x] = query(a + x);
     for (int64_t j = j0; j < common; j += 8) {
       for (int64_t x = 0; x < take; ++x) o[x] = p + (a + x) * S + j;
-      if (take == 3) dot8_queries<3>(q, K + j * D, o);
+      if (take == 6) dot8_queries<6>(q, K + j * D, o);
+      else if (take == 3) dot8_queries<3>(q, K + j * D, o);
       else dot8_queries<2>(q, K + j * D, o);
     }
     for (int64_t x = 0; x < take; ++x)
