@@ -228,6 +228,38 @@ def test_streaming_stores_give_the_same_logits(dtype: str) -> None:
 
 
 @requires_vnni
+def test_prompts_by_rows_give_the_same_logits() -> None:
+    """w4a8 calls of at least 32 tokens on two threads run their layers by rows, each thread
+    its own rows through every product (``set_rows``, ``layers_by_rows``). Against the products split
+    by columns, on one, two and three threads: a two-row prompt (80 tokens in the call), a piece of
+    33 tokens and one of 31 (below the threshold) in one row, then steps of 1 and 5 tokens, every
+    logit bitwise the same; and calls did run by rows (only where it is on)."""
+    hf = _q4_llama(hidden=256)
+    ids = torch.randint(0, VOCAB, (2, 110), generator=torch.Generator().manual_seed(8))
+    fast = FastLlama.from_hf(hf, dtype="w4a8", max_batch_size=2)
+    before = torch.get_num_threads()
+    got, by_rows = {}, {False: 0, True: 0}
+    try:
+        for rows in (False, True):
+            fast._kernel.set_rows(rows)
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                fast.reset(2)
+                calls = fast._kernel.rows_calls()
+                pieces = [fast.forward(ids[:, :40])]
+                for t, w in ((40, 33), (73, 31), (104, 1), (105, 5)):
+                    pieces.append(fast.forward(ids[:1, t : t + w], rows=[0]))
+                by_rows[rows] += fast._kernel.rows_calls() - calls
+                got[rows, threads] = torch.cat([p[:1] for p in pieces], dim=1)
+    finally:
+        torch.set_num_threads(before)
+        fast._kernel.set_rows(True)
+    assert by_rows[False] == 0 and by_rows[True] >= 2
+    first = got[False, 1]
+    assert all(torch.equal(first, g) for g in got.values())
+
+
+@requires_vnni
 def test_w4a8_rounds_only_the_activations() -> None:
     """w4a8 holds int4's weights (the same layout) and rounds its products' activations to 8 bits
     per block: its logits are further from float32's than int4's, by about what 8-bit activations

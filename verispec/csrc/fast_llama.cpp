@@ -474,6 +474,9 @@ inline void rows_in_parallel(int64_t M, const F& f) {
 // 0.939x across CCDs (355 rounds, 5.31 -> 5.00 ms), one token 0.996x; on one CCD 1.00x (45).
 constexpr int64_t kStreamRows = 8;
 
+// Calls of at least this many rows in w4a8 run their layers by rows (`layers_by_rows`).
+constexpr int64_t kRowSplitRows = 32;
+
 // How block tiles store an output: added to what y holds (kStoreAdd), and non-temporally
 // (kStoreStream; y 64-byte aligned), or neither: set, through the caches.
 constexpr int kStoreAdd = 1, kStoreStream = 2;
@@ -2384,7 +2387,8 @@ struct Blocks8 {
     da.resize(M * (K / 32));
     sa.resize(M * (K / 32));
   }
-  BlockRows8 rows() const { return {a.data(), da.data(), sa.data()}; }
+  // The rows from r0 on.
+  BlockRows8 rows(int64_t r0 = 0) const { return {a.data() + r0 * K, da.data() + r0 * (K / 32), sa.data() + r0 * (K / 32)}; }
 };
 
 // What each thread of a product does with its columns c0 .. c1 - 1 once they are final in every
@@ -2794,13 +2798,13 @@ constexpr int kQ4A8Tiles = kQ4Group;
 template <bool Q8 = false, bool A8 = false>
 void linear_q4_tiles(const float* x, int64_t M, int64_t ldx, const uint8_t* wt, int64_t N, int64_t K,
                      const float* bias, float* y, int64_t ldy, bool accumulate, const Blocks8* pre,
-                     const ColumnsDone* done, bool stream) {
+                     const ColumnsDone* done, bool stream, int64_t pre_row) {
   stream = stream && reinterpret_cast<uintptr_t>(y) % 64 == 0 && ldy % kQ4Tile == 0;
   const int store = (accumulate ? kStoreAdd : 0) | (stream ? kStoreStream : 0);
   ByteRows rows_q{};
   BlockRows8 rows8{};
   if constexpr (A8)
-    rows8 = pre ? pre->rows() : block_rows8(x, M, ldx, K, Q8);
+    rows8 = pre ? pre->rows(pre_row) : block_rows8(x, M, ldx, K, Q8);
   else
     rows_q = byte_rows(x, M, ldx, K, Q8, !Q8);  // 4-bit blocks need each block's sum of a
   constexpr int64_t kBlockBytes = Q8 ? kQ8BlockBytes : kQ4BlockBytes;
@@ -2867,10 +2871,10 @@ void linear_q4_tiles(const float* x, int64_t M, int64_t ldx, const uint8_t* wt, 
 inline void linear_block_tiles(bool q8, bool a8, const float* x, int64_t M, int64_t ldx, const uint8_t* wt, int64_t N,
                                int64_t K, const float* bias, float* y, int64_t ldy, bool accumulate,
                                const Blocks8* pre = nullptr, const ColumnsDone* done = nullptr,
-                               bool stream = false) {
+                               bool stream = false, int64_t pre_row = 0) {
   auto* f = q8 ? (a8 ? &linear_q4_tiles<true, true> : &linear_q4_tiles<true, false>)
                : (a8 ? &linear_q4_tiles<false, true> : &linear_q4_tiles<false, false>);
-  f(x, M, ldx, wt, N, K, bias, y, ldy, accumulate, a8 ? pre : nullptr, done, stream);
+  f(x, M, ldx, wt, N, K, bias, y, ldy, accumulate, a8 ? pre : nullptr, done, stream, pre_row);
 }
 #else
 inline void quantize_ahead(Blocks8&, const float*, int64_t, int64_t, int64_t, int64_t) {
@@ -4164,6 +4168,8 @@ class FastLlamaKernel {
   // 8-bit blocks quantised by their producers, the heads written and SwiGLU computed by the qkv
   // and gate/up products' threads). Every logit is the same either way; for tests and A/B runs.
   void set_fuse(bool on) { fuse_ = on; }
+  void set_rows(bool on) { rows_ = on; }
+  int64_t rows_calls() const { return rows_calls_; }
 
   // Whether steps of at most kStreamRows tokens write what the other thread reads next (the wo and
   // down products' outputs, the 8-bit blocks the norms, the attention and SwiGLU quantise ahead)
@@ -4596,13 +4602,14 @@ class FastLlamaKernel {
   // y[M, N] (+)= x[M, K] @ W^T + bias: from W's exact blocks (`linear_blocks`, bitwise the same)
   // where it has them, for calls of up to q4_rows_ tokens (a layer's 4-bit blocks, `set_q4`) or
   // head_q8_rows_ rows (the head's 8-bit blocks, `set_head_q8`), else `linear`.
-  // `pre`: x already quantised into 8-bit blocks (`ahead`), where W takes them; `done` then handed
+  // `pre`: x already quantised into 8-bit blocks (`ahead`), where W takes them, from its row
+  // `pre_row` on (`layers_by_rows`: a thread's rows of the call); `done` then handed
   // each thread's columns at the end of its chunk (`linear_q4_tiles`). `stream`: y goes to the other
   // thread next, so block tiles write it with non-temporal stores where they can (`linear_q4_tiles`).
   template <typename WT>
   void product(const Mat& W, const float* x, int64_t M, int64_t K, int64_t N, const float* bias, float* y,
                bool accumulate, const Blocks8* pre = nullptr, const ColumnsDone* done = nullptr,
-               bool stream = false) {
+               bool stream = false, int64_t pre_row = 0) {
     if constexpr (std::is_same_v<WT, float>) {
       if (W.q4.defined() && M <= q4_rows_) {
         const Q4Blocks blocks{{W.q4.data_ptr<uint8_t>(), K / 32, N, 0}};
@@ -4620,7 +4627,7 @@ class FastLlamaKernel {
       if (W.q4i.defined() || W.q8i.defined()) {
         const bool q8 = !W.q4i.defined();
         linear_block_tiles(q8, act8_, x, M, K, (q8 ? W.q8i : W.q4i).data_ptr<uint8_t>(), N, K, bias, y, N, accumulate,
-                           pre, pre ? done : nullptr, stream);
+                           pre, pre ? done : nullptr, stream, pre_row);
         return;
       }
 #endif
@@ -4658,6 +4665,87 @@ class FastLlamaKernel {
 #endif
     (void)W, (void)M, (void)K, (void)buf;
     return nullptr;
+  }
+
+  // Whether a call of M rows runs its layers by rows (`layers_by_rows`): w4a8 calls of at least
+  // kRowSplitRows tokens (prompt pieces) in a team of two threads, every layer product in 4-bit
+  // blocks. (Each thread reads every weight: with more threads, unmeasured, the columns split stays.)
+  template <typename WT>
+  bool rows_split(int64_t M) {
+    if constexpr (!std::is_same_v<WT, i8>) {
+      (void)M;
+      return false;
+    } else {
+      if (!rows_ || !act8_ || !fuse_ || M < kRowSplitRows || t_team == nullptr || team_threads() != 2) return false;
+      if (H_ % 32 != 0 || I_ % 32 != 0 || (Hq_ * D_) % 32 != 0 || D_ % 32 != 0) return false;
+      for (const Layer& L : layers_)
+        if (!L.wqkv.q4i.defined() || !L.wo.q4i.defined() || !L.wgu.q4i.defined() || !L.wdown.q4i.defined())
+          return false;
+      return true;
+    }
+  }
+
+  // The layers of a w4a8 call of M rows (`rows_split`), each thread taking its own rows through
+  // everything but the attention: per layer one job over the attention's items, then one in which
+  // each thread runs the wo product, the post-norm, the gate/up product, SwiGLU and the down product
+  // of its rows over all columns, and the next layer's input norm and qkv product (with RoPE and the
+  // cache writes) of the same rows. Each thread reads every weight, but no activation crosses to
+  // the other thread but the keys, values and queries the attention reads and its outputs. Every
+  // product's output row is the same arithmetic whichever rows share its call, every norm, RoPE
+  // and SwiGLU row its own, so every result is the same, bitwise, as with the products split by
+  // columns.
+  void layers_by_rows(int64_t M, const int64_t* sl, const int64_t* ps, const float* cos, const float* sin) {
+    using WT = i8;
+    const int64_t H = H_, QKV = (Hq_ + 2 * Hkv_) * D_, HQD = Hq_ * D_, I = I_;
+    float* x = x_.data();
+    float* xn = xn_.data();
+    float* qkv = qkv_.data();
+    Blocks8* qx = ahead<WT>(layers_[0].wqkv, M, H, xq_);
+    Blocks8* qa = ahead<WT>(layers_[0].wo, M, HQD, attq_);
+    Blocks8* qd = ahead<WT>(layers_[0].wdown, M, I, actq_);
+    TORCH_CHECK(qx && qa && qd, "layers by rows need 8-bit block activations");
+    ++rows_calls_;
+    const int64_t T = team_threads(), per = (M + T - 1) / T;
+    // Layer l's input norm and qkv product (RoPE, the cache) for rows m0 .. m1 - 1.
+    auto head_part = [&](size_t l, int64_t m0, int64_t m1) {
+      const Layer& L = layers_[l];
+      rmsnorm(x + m0 * H, m1 - m0, H, L.in_norm.data_ptr<float>(), eps_, xn + m0 * H);
+      quantize_ahead(*qx, xn, H, M, m0, m1);
+      product<WT>(L.wqkv, xn + m0 * H, m1 - m0, H, QKV, opt(L.bqkv), qkv + m0 * QKV, false, qx, nullptr, false, m0);
+      write_heads(l, m0, m1, 0, Hq_ + 2 * Hkv_, sl, ps, cos, sin);
+    };
+    // Layer l's wo product, post-norm, gate/up product, SwiGLU and down product for those rows.
+    auto tail_part = [&](size_t l, int64_t m0, int64_t m1) {
+      const Layer& L = layers_[l];
+      product<WT>(L.wo, att_.data() + m0 * HQD, m1 - m0, HQD, H, opt(L.bo), x + m0 * H, true, qa, nullptr, false, m0);
+      rmsnorm(x + m0 * H, m1 - m0, H, L.post_norm.data_ptr<float>(), eps_, xn + m0 * H);
+      quantize_ahead(*qx, xn, H, M, m0, m1);
+      float* gu = gu_.data();
+      float* act = act_.data();
+      product<WT>(L.wgu, xn + m0 * H, m1 - m0, H, 2 * I, nullptr, gu + m0 * 2 * I, false, qx, nullptr, false, m0);
+#if defined(__AVX512F__)
+      for (int64_t m = m0; m < m1; ++m)
+        swiglu16(gu + m * 2 * I, gu + m * 2 * I + I, nullptr, nullptr, act + m * I, I);
+#else
+      TORCH_CHECK(false, "8-bit block activations need AVX-512");
+#endif
+      quantize_ahead(*qd, act, I, M, m0, m1);
+      product<WT>(L.wdown, act + m0 * I, m1 - m0, I, H, nullptr, x + m0 * H, true, qd, nullptr, false, m0);
+    };
+    const size_t layers = layers_.size();
+    team_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) head_part(0, std::min(M, t * per), std::min(M, (t + 1) * per));
+    });
+    for (size_t l = 0; l < layers; ++l) {
+      attention(l, M, ps, qa);
+      team_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t m0 = std::min(M, t * per), m1 = std::min(M, (t + 1) * per);
+          tail_part(l, m0, m1);
+          if (l + 1 < layers) head_part(l + 1, m0, m1);
+        }
+      });
+    }
   }
 
   // The whole head's logits out [R, V] for final-normed rows x [R, H].
@@ -4720,7 +4808,9 @@ class FastLlamaKernel {
     // gate or up row read by the other thread. Each element's arithmetic is swiglu_rows's (swiglu16).
     const bool heads_whole = D == kQ4Group * kQ4Tile, swiglu_whole = I % (kQ4Group * kQ4Tile) == 0;
     const bool stream = streams(M);  // the wo and down products' outputs go to the norms' rows
-    for (size_t l = 0; l < layers_.size(); ++l) {
+    const bool by_rows = rows_split<WT>(M);
+    if (by_rows) layers_by_rows(M, sl, ps, cos, sin);
+    for (size_t l = 0; l < (by_rows ? 0 : layers_.size()); ++l) {
       const Layer& L = layers_[l];
       Blocks8* q = ahead<WT>(L.wqkv, M, H, xq_);
       norm(L.in_norm, q);
@@ -5235,6 +5325,8 @@ class FastLlamaKernel {
   bool team_ = true;                  // forwards run in one parallel region (`set_team`)
   bool fuse_ = true;                  // w4a8's row jobs folded into the jobs before them (`set_fuse`)
   bool stream_ = true;                // non-temporal stores for what crosses to the other thread (`set_stream`)
+  bool rows_ = true;                  // w4a8 prompt pieces run their layers by rows (`set_rows`, `layers_by_rows`)
+  int64_t rows_calls_ = 0;            // calls that did (`rows_calls`, for the tests)
   Blocks8 xq_, attq_, actq_;          // the products' 8-bit block inputs, quantised ahead (`ahead`)
   int64_t head_q8_rows_ = kBlockMostRows;  // whole-head logits of up to this many rows read 8-bit blocks
   Schedule schedule_;
@@ -5267,6 +5359,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_act8", &FastLlamaKernel::set_act8)
       .def("set_team", &FastLlamaKernel::set_team)
       .def("set_fuse", &FastLlamaKernel::set_fuse)
+      .def("set_rows", &FastLlamaKernel::set_rows)
+      .def("rows_calls", &FastLlamaKernel::rows_calls)
       .def("set_stream", &FastLlamaKernel::set_stream)
       .def("set_head", &FastLlamaKernel::set_head)
       .def("set_paired", &FastLlamaKernel::set_paired)
