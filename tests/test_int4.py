@@ -228,15 +228,16 @@ def test_streaming_stores_give_the_same_logits(dtype: str) -> None:
 
 
 @requires_vnni
-def test_prompts_by_rows_give_the_same_logits() -> None:
-    """w4a8 calls of at least 32 tokens on two threads run their layers by rows, each thread
+@pytest.mark.parametrize("dtype", ["int4", "w4a8"])
+def test_prompts_by_rows_give_the_same_logits(dtype: str) -> None:
+    """int4 and w4a8 calls of at least 32 tokens on two threads run their layers by rows, each thread
     its own rows through every product (``set_rows``, ``layers_by_rows``). Against the products split
     by columns, on one, two and three threads: a two-row prompt (80 tokens in the call), a piece of
     33 tokens and one of 31 (below the threshold) in one row, then steps of 1 and 5 tokens, every
     logit bitwise the same; and calls did run by rows (only where it is on)."""
     hf = _q4_llama(hidden=256)
     ids = torch.randint(0, VOCAB, (2, 110), generator=torch.Generator().manual_seed(8))
-    fast = FastLlama.from_hf(hf, dtype="w4a8", max_batch_size=2)
+    fast = FastLlama.from_hf(hf, dtype=dtype, max_batch_size=2)
     before = torch.get_num_threads()
     got, by_rows = {}, {False: 0, True: 0}
     try:

@@ -474,7 +474,7 @@ inline void rows_in_parallel(int64_t M, const F& f) {
 // 0.939x across CCDs (355 rounds, 5.31 -> 5.00 ms), one token 0.996x; on one CCD 1.00x (45).
 constexpr int64_t kStreamRows = 8;
 
-// Calls of at least this many rows in w4a8 run their layers by rows (`layers_by_rows`).
+// Calls of at least this many rows in int4 and w4a8 run their layers by rows (`layers_by_rows`).
 constexpr int64_t kRowSplitRows = 32;
 
 // How block tiles store an output: added to what y holds (kStoreAdd), and non-temporally
@@ -4667,16 +4667,16 @@ class FastLlamaKernel {
     return nullptr;
   }
 
-  // Whether a call of M rows runs its layers by rows (`layers_by_rows`): w4a8 calls of at least
-  // kRowSplitRows tokens (prompt pieces) in a team of two threads, every layer product in 4-bit
-  // blocks. (Each thread reads every weight: with more threads, unmeasured, the columns split stays.)
+  // Whether a call of M rows runs its layers by rows (`layers_by_rows`): int4 and w4a8 calls of at
+  // least kRowSplitRows tokens (prompt pieces) in a team of two threads, every layer product in
+  // 4-bit blocks. (Each thread reads every weight: with more threads, unmeasured, the columns split stays.)
   template <typename WT>
   bool rows_split(int64_t M) {
     if constexpr (!std::is_same_v<WT, i8>) {
       (void)M;
       return false;
     } else {
-      if (!rows_ || !act8_ || !fuse_ || M < kRowSplitRows || t_team == nullptr || team_threads() != 2) return false;
+      if (!rows_ || M < kRowSplitRows || t_team == nullptr || team_threads() != 2) return false;
       if (H_ % 32 != 0 || I_ % 32 != 0 || (Hq_ * D_) % 32 != 0 || D_ % 32 != 0) return false;
       for (const Layer& L : layers_)
         if (!L.wqkv.q4i.defined() || !L.wo.q4i.defined() || !L.wgu.q4i.defined() || !L.wdown.q4i.defined())
@@ -4685,32 +4685,40 @@ class FastLlamaKernel {
     }
   }
 
-  // The layers of a w4a8 call of M rows (`rows_split`), each thread taking its own rows through
-  // everything but the attention: per layer one job over the attention's items, then one in which
-  // each thread runs the wo product, the post-norm, the gate/up product, SwiGLU and the down product
-  // of its rows over all columns, and the next layer's input norm and qkv product (with RoPE and the
-  // cache writes) of the same rows. Each thread reads every weight, but no activation crosses to
-  // the other thread but the keys, values and queries the attention reads and its outputs. Every
-  // product's output row is the same arithmetic whichever rows share its call, every norm, RoPE
-  // and SwiGLU row its own, so every result is the same, bitwise, as with the products split by
-  // columns.
+  // The layers of an int4 or w4a8 call of M rows (`rows_split`), each thread taking its own rows
+  // through everything but the attention: per layer one job over the attention's items, then one
+  // in which each thread runs the wo product, the post-norm, the gate/up product, SwiGLU and the
+  // down product of its rows over all columns, and the next layer's input norm and qkv product
+  // (with RoPE and the cache writes) of the same rows. Each thread reads every weight, but no
+  // activation crosses to the other thread but the keys, values and queries the attention reads
+  // and its outputs. Every product's output row is the same arithmetic whichever rows share its
+  // call, every norm, RoPE and SwiGLU row its own, so every result is the same, bitwise, as with
+  // the products split by columns. Across CCDs a 128-token w4a8 piece at 300 cached tokens took
+  // 109 ms split by columns, 87 on one CCD; by rows (benchmarks/kernel_ab.py --placement, 150
+  // rounds, paired medians, session 52): 32 / 64 / 128 tokens 0.968x / 0.934x / 0.917x across
+  // CCDs, 0.971x / 0.975x / 0.977x on one.
   void layers_by_rows(int64_t M, const int64_t* sl, const int64_t* ps, const float* cos, const float* sin) {
     using WT = i8;
     const int64_t H = H_, QKV = (Hq_ + 2 * Hkv_) * D_, HQD = Hq_ * D_, I = I_;
     float* x = x_.data();
     float* xn = xn_.data();
     float* qkv = qkv_.data();
+    // w4a8's 8-bit block activations, quantised ahead (each thread its rows); int4's products
+    // quantise their rows themselves.
     Blocks8* qx = ahead<WT>(layers_[0].wqkv, M, H, xq_);
     Blocks8* qa = ahead<WT>(layers_[0].wo, M, HQD, attq_);
     Blocks8* qd = ahead<WT>(layers_[0].wdown, M, I, actq_);
-    TORCH_CHECK(qx && qa && qd, "layers by rows need 8-bit block activations");
+    TORCH_CHECK(!qx == !qa && !qx == !qd, "8-bit block activations for all products or none");
+    auto quantise = [&](Blocks8* q, const float* v, int64_t K, int64_t m0, int64_t m1) {
+      if (q) quantize_ahead(*q, v, K, M, m0, m1);
+    };
     ++rows_calls_;
     const int64_t T = team_threads(), per = (M + T - 1) / T;
     // Layer l's input norm and qkv product (RoPE, the cache) for rows m0 .. m1 - 1.
     auto head_part = [&](size_t l, int64_t m0, int64_t m1) {
       const Layer& L = layers_[l];
       rmsnorm(x + m0 * H, m1 - m0, H, L.in_norm.data_ptr<float>(), eps_, xn + m0 * H);
-      quantize_ahead(*qx, xn, H, M, m0, m1);
+      quantise(qx, xn, H, m0, m1);
       product<WT>(L.wqkv, xn + m0 * H, m1 - m0, H, QKV, opt(L.bqkv), qkv + m0 * QKV, false, qx, nullptr, false, m0);
       write_heads(l, m0, m1, 0, Hq_ + 2 * Hkv_, sl, ps, cos, sin);
     };
@@ -4719,7 +4727,7 @@ class FastLlamaKernel {
       const Layer& L = layers_[l];
       product<WT>(L.wo, att_.data() + m0 * HQD, m1 - m0, HQD, H, opt(L.bo), x + m0 * H, true, qa, nullptr, false, m0);
       rmsnorm(x + m0 * H, m1 - m0, H, L.post_norm.data_ptr<float>(), eps_, xn + m0 * H);
-      quantize_ahead(*qx, xn, H, M, m0, m1);
+      quantise(qx, xn, H, m0, m1);
       float* gu = gu_.data();
       float* act = act_.data();
       product<WT>(L.wgu, xn + m0 * H, m1 - m0, H, 2 * I, nullptr, gu + m0 * 2 * I, false, qx, nullptr, false, m0);
@@ -4727,9 +4735,9 @@ class FastLlamaKernel {
       for (int64_t m = m0; m < m1; ++m)
         swiglu16(gu + m * 2 * I, gu + m * 2 * I + I, nullptr, nullptr, act + m * I, I);
 #else
-      TORCH_CHECK(false, "8-bit block activations need AVX-512");
+      TORCH_CHECK(false, "4-bit block products need AVX-512");
 #endif
-      quantize_ahead(*qd, act, I, M, m0, m1);
+      quantise(qd, act, I, m0, m1);
       product<WT>(L.wdown, act + m0 * I, m1 - m0, I, H, nullptr, x + m0 * H, true, qd, nullptr, false, m0);
     };
     const size_t layers = layers_.size();
@@ -5325,7 +5333,7 @@ class FastLlamaKernel {
   bool team_ = true;                  // forwards run in one parallel region (`set_team`)
   bool fuse_ = true;                  // w4a8's row jobs folded into the jobs before them (`set_fuse`)
   bool stream_ = true;                // non-temporal stores for what crosses to the other thread (`set_stream`)
-  bool rows_ = true;                  // w4a8 prompt pieces run their layers by rows (`set_rows`, `layers_by_rows`)
+  bool rows_ = true;                  // int4, w4a8 prompt pieces run their layers by rows (`set_rows`, `layers_by_rows`)
   int64_t rows_calls_ = 0;            // calls that did (`rows_calls`, for the tests)
   Blocks8 xq_, attq_, actq_;          // the products' 8-bit block inputs, quantised ahead (`ahead`)
   int64_t head_q8_rows_ = kBlockMostRows;  // whole-head logits of up to this many rows read 8-bit blocks
