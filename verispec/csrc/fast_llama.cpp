@@ -4745,7 +4745,7 @@ class FastLlamaKernel {
       for (int64_t t = t0; t < t1; ++t) head_part(0, std::min(M, t * per), std::min(M, (t + 1) * per));
     });
     for (size_t l = 0; l < layers; ++l) {
-      attention(l, M, ps, qa);
+      attention(l, M, ps, qa);  // its items split between the threads as in `run`
       team_for(0, T, 1, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t) {
           const int64_t m0 = std::min(M, t * per), m1 = std::min(M, (t + 1) * per);
