@@ -228,13 +228,14 @@ def test_streaming_stores_give_the_same_logits(dtype: str) -> None:
 
 
 @requires_vnni
-@pytest.mark.parametrize("dtype", ["int4", "w4a8"])
+@pytest.mark.parametrize("dtype", ["int4", "w4a8", "int8"])
 def test_prompts_by_rows_give_the_same_logits(dtype: str) -> None:
-    """int4 and w4a8 calls of at least 32 tokens on two threads run their layers by rows, each thread
-    its own rows through every product (``set_rows``, ``layers_by_rows``). Against the products split
-    by columns, on one, two and three threads: a two-row prompt (80 tokens in the call), a piece of
-    33 tokens and one of 31 (below the threshold) in one row, then steps of 1 and 5 tokens, every
-    logit bitwise the same; and calls did run by rows (only where it is on)."""
+    """int4 and w4a8 calls of at least 32 tokens (int8: 64) on two threads run their layers by
+    rows, each thread its own rows through every product (``set_rows``, ``layers_by_rows``).
+    Against the products split by columns, on one, two and three threads: a two-row prompt (80
+    tokens in the call), a piece of 33 tokens and one of 31 (below the threshold) in one row, then
+    steps of 1 and 5 tokens, every logit bitwise the same; and calls did run by rows (only where
+    it is on)."""
     hf = _q4_llama(hidden=256)
     ids = torch.randint(0, VOCAB, (2, 110), generator=torch.Generator().manual_seed(8))
     fast = FastLlama.from_hf(hf, dtype=dtype, max_batch_size=2)
@@ -255,7 +256,7 @@ def test_prompts_by_rows_give_the_same_logits(dtype: str) -> None:
     finally:
         torch.set_num_threads(before)
         fast._kernel.set_rows(True)
-    assert by_rows[False] == 0 and by_rows[True] >= 2
+    assert by_rows[False] == 0 and by_rows[True] >= (1 if dtype == "int8" else 2)
     first = got[False, 1]
     assert all(torch.equal(first, g) for g in got.values())
 

@@ -474,8 +474,12 @@ inline void rows_in_parallel(int64_t M, const F& f) {
 // 0.939x across CCDs (355 rounds, 5.31 -> 5.00 ms), one token 0.996x; on one CCD 1.00x (45).
 constexpr int64_t kStreamRows = 8;
 
-// Calls of at least this many rows in int4 and w4a8 run their layers by rows (`layers_by_rows`).
+// Calls of at least this many rows in int4 and w4a8 run their layers by rows (`layers_by_rows`),
+// and in int8 of at least kRowSplitRowsInt8: there 32-token calls ran 1.8% slower by rows on one
+// CCD and 3.8% faster across CCDs, 96-token calls 0.7% / 6.1% faster (benchmarks/kernel_ab.py
+// --dtype int8 --placement, 100 rounds, session 52).
 constexpr int64_t kRowSplitRows = 32;
+constexpr int64_t kRowSplitRowsInt8 = 64;
 
 // How block tiles store an output: added to what y holds (kStoreAdd), and non-temporally
 // (kStoreStream; y 64-byte aligned), or neither: set, through the caches.
@@ -4668,8 +4672,8 @@ class FastLlamaKernel {
   }
 
   // Whether a call of M rows runs its layers by rows (`layers_by_rows`): int4 and w4a8 calls of at
-  // least kRowSplitRows tokens (prompt pieces) in a team of two threads, every layer product in
-  // 4-bit blocks. (Each thread reads every weight: with more threads, unmeasured, the columns split stays.)
+  // least kRowSplitRows tokens (prompt pieces), int8 ones of at least kRowSplitRowsInt8, in a team
+  // of two threads. (Each thread reads every weight: with more threads, unmeasured, the columns split stays.)
   template <typename WT>
   bool rows_split(int64_t M) {
     if constexpr (!std::is_same_v<WT, i8>) {
@@ -4680,12 +4684,12 @@ class FastLlamaKernel {
       if (H_ % 32 != 0 || I_ % 32 != 0 || (Hq_ * D_) % 32 != 0 || D_ % 32 != 0) return false;
       for (const Layer& L : layers_)
         if (!L.wqkv.q4i.defined() || !L.wo.q4i.defined() || !L.wgu.q4i.defined() || !L.wdown.q4i.defined())
-          return false;
+          return M >= kRowSplitRowsInt8;  // int8's rows of weights
       return true;
     }
   }
 
-  // The layers of an int4 or w4a8 call of M rows (`rows_split`), each thread taking its own rows
+  // The layers of an int8, int4 or w4a8 call of M rows (`rows_split`), each thread taking its own rows
   // through everything but the attention: per layer one job over the attention's items, then one
   // in which each thread runs the wo product, the post-norm, the gate/up product, SwiGLU and the
   // down product of its rows over all columns, and the next layer's input norm and qkv product
@@ -4703,8 +4707,8 @@ class FastLlamaKernel {
     float* x = x_.data();
     float* xn = xn_.data();
     float* qkv = qkv_.data();
-    // w4a8's 8-bit block activations, quantised ahead (each thread its rows); int4's products
-    // quantise their rows themselves.
+    // w4a8's 8-bit block activations, quantised ahead (each thread its rows); int4's and int8's
+    // products quantise their rows themselves.
     Blocks8* qx = ahead<WT>(layers_[0].wqkv, M, H, xq_);
     Blocks8* qa = ahead<WT>(layers_[0].wo, M, HQD, attq_);
     Blocks8* qd = ahead<WT>(layers_[0].wdown, M, I, actq_);
@@ -5333,7 +5337,7 @@ class FastLlamaKernel {
   bool team_ = true;                  // forwards run in one parallel region (`set_team`)
   bool fuse_ = true;                  // w4a8's row jobs folded into the jobs before them (`set_fuse`)
   bool stream_ = true;                // non-temporal stores for what crosses to the other thread (`set_stream`)
-  bool rows_ = true;                  // int4, w4a8 prompt pieces run their layers by rows (`set_rows`, `layers_by_rows`)
+  bool rows_ = true;                  // int8, int4, w4a8 prompt pieces run their layers by rows (`set_rows`)
   int64_t rows_calls_ = 0;            // calls that did (`rows_calls`, for the tests)
   Blocks8 xq_, attq_, actq_;          // the products' 8-bit block inputs, quantised ahead (`ahead`)
   int64_t head_q8_rows_ = kBlockMostRows;  // whole-head logits of up to this many rows read 8-bit blocks
