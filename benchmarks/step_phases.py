@@ -9,8 +9,9 @@ microseconds per step in each part. The clock reads cost well under a microsecon
 w4a8 folds the jobs between its products into the jobs before them (the kernel's ``set_fuse``), its
 cache writes count in the qkv product, SwiGLU in the gate/up product, and the 8-bit activations of
 each product in the norm, attention or gate/up product that writes its input. int4 and w4a8 calls
-of 32 tokens or more run their layers by rows (the kernel's ``set_rows``, ``layers_by_rows``), which
-this does not clock part by part: ``--columns`` times them split by columns instead.
+of 32 tokens or more (int8: 64) run their layers by rows (the kernel's ``set_rows``,
+``layers_by_rows``), which this does not clock part by part: ``--columns`` times them split by
+columns instead.
 
     flock /tmp/verispec-cpu.lock python benchmarks/step_phases.py [--dtype int8] [--widths 1 2 3 5 9]
         [--amx-rows 10 1] [--steps 100] [--context 200] [--source FILE] [--placement --blocks 40]
@@ -104,7 +105,7 @@ def main() -> None:
     ap.add_argument("--source", type=Path, default=fast_llama._SRC)
     ap.add_argument("--placement", action="store_true", help="split rounds by the cores' placement")
     ap.add_argument("--blocks", type=int, default=40, help="rounds, with --placement")
-    ap.add_argument("--columns", action="store_true", help="wide int4, w4a8 calls by columns, not rows")
+    ap.add_argument("--columns", action="store_true", help="wide int8/int4/w4a8 calls by columns, not rows")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -118,8 +119,8 @@ def main() -> None:
     ids = torch.randint(0, model.vocab_size, (1, args.context + max(args.widths)), generator=gen)  # [1, C+W]
     if args.columns:
         model._kernel.set_rows(False)
-    elif args.dtype in ("int4", "w4a8") and max(args.widths) >= 32:
-        print("calls of 32 tokens or more run by rows: their parts are not clocked (--columns)")
+    elif max(args.widths) >= {"int4": 32, "w4a8": 32, "int8": 64}.get(args.dtype, 1 << 30):
+        print("wide calls run by rows: their parts are not clocked (--columns)")
     model.reset(1)
     model.forward(ids[:, : args.context], logits="none")
     back = torch.tensor([args.context])
