@@ -8,10 +8,10 @@ greedy steps of each width after ``--context`` cached tokens (the cache truncate
 microseconds per step in each part. The clock reads cost well under a microsecond each. Where
 w4a8 folds the jobs between its products into the jobs before them (the kernel's ``set_fuse``), its
 cache writes count in the qkv product, SwiGLU in the gate/up product, and the 8-bit activations of
-each product in the norm, attention or gate/up product that writes its input. int4 and w4a8 calls
-of 32 tokens or more (int8: 64) run their layers by rows (the kernel's ``set_rows``,
-``layers_by_rows``), which this does not clock part by part: ``--columns`` times them split by
-columns instead.
+each product in the norm, attention or gate/up product that writes its input. Wide int8, int4 and
+w4a8 calls (prompt pieces) run their layers by rows (the kernel's ``set_rows``, ``layers_by_rows``),
+which this does not clock part by part (it says so where the kernel counted such calls):
+``--columns`` times them split by columns instead.
 
     flock /tmp/verispec-cpu.lock python benchmarks/step_phases.py [--dtype int8] [--widths 1 2 3 5 9]
         [--amx-rows 10 1] [--steps 100] [--context 200] [--source FILE] [--placement --blocks 40]
@@ -119,18 +119,20 @@ def main() -> None:
     ids = torch.randint(0, model.vocab_size, (1, args.context + max(args.widths)), generator=gen)  # [1, C+W]
     if args.columns:
         model._kernel.set_rows(False)
-    elif max(args.widths) >= {"int4": 32, "w4a8": 32, "int8": 64}.get(args.dtype, 1 << 30):
-        print("wide calls run by rows: their parts are not clocked (--columns)")
     model.reset(1)
     model.forward(ids[:, : args.context], logits="none")
     back = torch.tensor([args.context])
     calls = _calls(model, ids, args.context, args.widths, "greedy")
+    by_rows: set[int] = set()  # widths whose calls ran their layers by rows (parts not clocked)
 
     def timed(w: int, warm: int = 5) -> tuple[list[float], list[float]]:
         """Seconds of each of ``--steps`` steps of w tokens, and us per step in each part."""
+        before = model._kernel.rows_calls()
         for _ in range(warm):
             calls[w]()
             model.truncate(back)
+        if model._kernel.rows_calls() > before:
+            by_rows.add(w)
         module.parts()
         secs = []
         for _ in range(args.steps):
@@ -142,6 +144,8 @@ def main() -> None:
 
     def line(label: str, w: int, lo: float, mid: float, parts: list[float]) -> str:
         names = " ".join(f"{name} {parts[i]:.0f}" for i, name in enumerate(PARTS))
+        if w in by_rows:
+            names += " (by rows: parts not clocked; --columns)"
         return f"{label}{w} tokens: {lo * 1e3:.2f} / {mid * 1e3:.2f} ms; us: {names}"
 
     if args.placement:

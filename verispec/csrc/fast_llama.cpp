@@ -4676,7 +4676,11 @@ class FastLlamaKernel {
   // of two threads. (Each thread reads every weight: with more threads, unmeasured, the columns split stays.)
   template <typename WT>
   bool rows_split(int64_t M) {
+#if defined(__AVX512F__)
     if constexpr (!std::is_same_v<WT, i8>) {
+#else
+    if constexpr (true) {  // `layers_by_rows` computes SwiGLU 16 columns at a time (`swiglu16`)
+#endif
       (void)M;
       return false;
     } else {
@@ -4716,13 +4720,15 @@ class FastLlamaKernel {
     auto quantise = [&](Blocks8* q, const float* v, int64_t K, int64_t m0, int64_t m1) {
       if (q) quantize_ahead(*q, v, K, M, m0, m1);
     };
+    auto norm = [&](const at::Tensor& w, int64_t m0, int64_t m1) {
+      rmsnorm(x + m0 * H, m1 - m0, H, w.data_ptr<float>(), eps_, xn + m0 * H);
+      quantise(qx, xn, H, m0, m1);
+    };
     ++rows_calls_;
-    const int64_t T = team_threads(), per = (M + T - 1) / T;
     // Layer l's input norm and qkv product (RoPE, the cache) for rows m0 .. m1 - 1.
     auto head_part = [&](size_t l, int64_t m0, int64_t m1) {
       const Layer& L = layers_[l];
-      rmsnorm(x + m0 * H, m1 - m0, H, L.in_norm.data_ptr<float>(), eps_, xn + m0 * H);
-      quantise(qx, xn, H, m0, m1);
+      norm(L.in_norm, m0, m1);
       product<WT>(L.wqkv, xn + m0 * H, m1 - m0, H, QKV, opt(L.bqkv), qkv + m0 * QKV, false, qx, nullptr, false, m0);
       write_heads(l, m0, m1, 0, Hq_ + 2 * Hkv_, sl, ps, cos, sin);
     };
@@ -4730,32 +4736,31 @@ class FastLlamaKernel {
     auto tail_part = [&](size_t l, int64_t m0, int64_t m1) {
       const Layer& L = layers_[l];
       product<WT>(L.wo, att_.data() + m0 * HQD, m1 - m0, HQD, H, opt(L.bo), x + m0 * H, true, qa, nullptr, false, m0);
-      rmsnorm(x + m0 * H, m1 - m0, H, L.post_norm.data_ptr<float>(), eps_, xn + m0 * H);
-      quantise(qx, xn, H, m0, m1);
+      norm(L.post_norm, m0, m1);
       float* gu = gu_.data();
       float* act = act_.data();
       product<WT>(L.wgu, xn + m0 * H, m1 - m0, H, 2 * I, nullptr, gu + m0 * 2 * I, false, qx, nullptr, false, m0);
 #if defined(__AVX512F__)
       for (int64_t m = m0; m < m1; ++m)
         swiglu16(gu + m * 2 * I, gu + m * 2 * I + I, nullptr, nullptr, act + m * I, I);
-#else
-      TORCH_CHECK(false, "4-bit block products need AVX-512");
 #endif
       quantise(qd, act, I, m0, m1);
       product<WT>(L.wdown, act + m0 * I, m1 - m0, I, H, nullptr, x + m0 * H, true, qd, nullptr, false, m0);
     };
+    // f(m0, m1) on each thread over its own rows.
+    const int64_t T = team_threads(), per = (M + T - 1) / T;
+    auto by_thread = [&](const auto& f) {
+      team_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) f(std::min(M, t * per), std::min(M, (t + 1) * per));
+      });
+    };
     const size_t layers = layers_.size();
-    team_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) head_part(0, std::min(M, t * per), std::min(M, (t + 1) * per));
-    });
+    by_thread([&](int64_t m0, int64_t m1) { head_part(0, m0, m1); });
     for (size_t l = 0; l < layers; ++l) {
       attention(l, M, ps, qa);  // its items split between the threads as in `run`
-      team_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; ++t) {
-          const int64_t m0 = std::min(M, t * per), m1 = std::min(M, (t + 1) * per);
-          tail_part(l, m0, m1);
-          if (l + 1 < layers) head_part(l + 1, m0, m1);
-        }
+      by_thread([&](int64_t m0, int64_t m1) {
+        tail_part(l, m0, m1);
+        if (l + 1 < layers) head_part(l + 1, m0, m1);
       });
     }
   }
@@ -4822,7 +4827,7 @@ class FastLlamaKernel {
     const bool stream = streams(M);  // the wo and down products' outputs go to the norms' rows
     const bool by_rows = rows_split<WT>(M);
     if (by_rows) layers_by_rows(M, sl, ps, cos, sin);
-    for (size_t l = 0; l < (by_rows ? 0 : layers_.size()); ++l) {
+    for (size_t l = 0; !by_rows && l < layers_.size(); ++l) {
       const Layer& L = layers_[l];
       Blocks8* q = ahead<WT>(L.wqkv, M, H, xq_);
       norm(L.in_norm, q);
