@@ -11,6 +11,8 @@ where the formats cannot run.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from conftest import check_tree_forward, tiny_llama
@@ -198,6 +200,26 @@ def test_w4a8_folded_jobs_give_the_same_logits(
     assert all(torch.equal(first, g) for g in got.values())
 
 
+def _under_toggle(
+    fast: FastLlama, toggle: Callable[[bool], None], run: Callable[[bool], torch.Tensor]
+) -> dict[tuple[bool, int], torch.Tensor]:
+    """``run(on)`` with ``toggle(on)`` off, then on, each on one, two and three threads after a reset
+    of two rows: ``{(on, threads): its logits}``. The toggle is left on, the thread count as it was."""
+    before = torch.get_num_threads()
+    got = {}
+    try:
+        for on in (False, True):
+            toggle(on)
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                fast.reset(2)
+                got[on, threads] = run(on)
+    finally:
+        torch.set_num_threads(before)
+        toggle(True)
+    return got
+
+
 @requires_vnni
 @pytest.mark.parametrize("dtype", ["int4", "w4a8"])
 def test_streaming_stores_give_the_same_logits(dtype: str) -> None:
@@ -208,21 +230,14 @@ def test_streaming_stores_give_the_same_logits(dtype: str) -> None:
     hf = _q4_llama(hidden=256)
     ids = torch.randint(0, VOCAB, (2, 57), generator=torch.Generator().manual_seed(6))
     fast = FastLlama.from_hf(hf, dtype=dtype, max_batch_size=2)
-    before = torch.get_num_threads()
-    got = {}
-    try:
-        for stream in (False, True):
-            fast._kernel.set_stream(stream)
-            for threads in (1, 2, 3):
-                torch.set_num_threads(threads)
-                fast.reset(2)
-                pieces = [fast.forward(ids[:, :40])]
-                steps = ((40, 1), (41, 2), (43, 5), (48, 9))
-                pieces += [fast.forward(ids[:, t : t + w]) for t, w in steps]
-                got[stream, threads] = torch.cat(pieces, dim=1)
-    finally:
-        torch.set_num_threads(before)
-        fast._kernel.set_stream(True)
+
+    def run(_: bool) -> torch.Tensor:
+        pieces = [fast.forward(ids[:, :40])]
+        steps = ((40, 1), (41, 2), (43, 5), (48, 9))
+        pieces += [fast.forward(ids[:, t : t + w]) for t, w in steps]
+        return torch.cat(pieces, dim=1)
+
+    got = _under_toggle(fast, fast._kernel.set_stream, run)
     first = got[False, 1]
     assert all(torch.equal(first, g) for g in got.values())
 
@@ -239,23 +254,17 @@ def test_prompts_by_rows_give_the_same_logits(dtype: str) -> None:
     hf = _q4_llama(hidden=256)
     ids = torch.randint(0, VOCAB, (2, 110), generator=torch.Generator().manual_seed(8))
     fast = FastLlama.from_hf(hf, dtype=dtype, max_batch_size=2)
-    before = torch.get_num_threads()
-    got, by_rows = {}, {False: 0, True: 0}
-    try:
-        for rows in (False, True):
-            fast._kernel.set_rows(rows)
-            for threads in (1, 2, 3):
-                torch.set_num_threads(threads)
-                fast.reset(2)
-                calls = fast._kernel.rows_calls()
-                pieces = [fast.forward(ids[:, :40])]
-                for t, w in ((40, 33), (73, 31), (104, 1), (105, 5)):
-                    pieces.append(fast.forward(ids[:1, t : t + w], rows=[0]))
-                by_rows[rows] += fast._kernel.rows_calls() - calls
-                got[rows, threads] = torch.cat([p[:1] for p in pieces], dim=1)
-    finally:
-        torch.set_num_threads(before)
-        fast._kernel.set_rows(True)
+    by_rows = {False: 0, True: 0}
+
+    def run(rows: bool) -> torch.Tensor:
+        calls = fast._kernel.rows_calls()
+        pieces = [fast.forward(ids[:, :40])]
+        for t, w in ((40, 33), (73, 31), (104, 1), (105, 5)):
+            pieces.append(fast.forward(ids[:1, t : t + w], rows=[0]))
+        by_rows[rows] += fast._kernel.rows_calls() - calls
+        return torch.cat([p[:1] for p in pieces], dim=1)
+
+    got = _under_toggle(fast, fast._kernel.set_rows, run)
     assert by_rows[False] == 0 and by_rows[True] >= (1 if dtype == "int8" else 2)
     first = got[False, 1]
     assert all(torch.equal(first, g) for g in got.values())
