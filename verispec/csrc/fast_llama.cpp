@@ -474,6 +474,11 @@ inline void rows_in_parallel(int64_t M, const F& f) {
 // 0.939x across CCDs (355 rounds, 5.31 -> 5.00 ms), one token 0.996x; on one CCD 1.00x (45).
 constexpr int64_t kStreamRows = 8;
 
+// Calls of at most this many rows skip the norms' jobs where the products after them take 8-bit
+// blocks: each of the product's threads normalises and quantises every row itself
+// (`own_norm_rows8`), so no norm output crosses between the threads and two jobs a layer go.
+constexpr int64_t kOwnNormRows = 8;
+
 // Calls of at least this many rows in int4 and w4a8 run their layers by rows (`layers_by_rows`),
 // and in int8 of at least kRowSplitRowsInt8: there 32-token calls ran 1.8% slower by rows on one
 // CCD and 3.8% faster across CCDs, 96-token calls 0.7% / 6.1% faster (benchmarks/kernel_ab.py
@@ -2235,21 +2240,29 @@ inline float sumsq(const float* x, int64_t n) {
   return s;
 }
 
-// Same order as HF's LlamaRMSNorm: weight * (x * rsqrt(mean(x^2) + eps)). Then, on the thread that
-// wrote them, after(m0, m1) for each of its runs of rows (`quantize_ahead`).
+// One row x [H] into y [H], in the order of HF's LlamaRMSNorm: weight * (x * rsqrt(mean(x^2) + eps)).
+inline void rmsnorm_row(const float* x, int64_t H, const float* w, float eps, float* y) {
+  const float r = 1.0f / std::sqrt(sumsq(x, H) / static_cast<float>(H) + eps);
+  for (int64_t k = 0; k < H; ++k) y[k] = w[k] * (x[k] * r);
+}
+
+// rmsnorm_row over the rows of x [M, H] into y [M, H]. Then, on the thread that wrote them,
+// after(m0, m1) for each of its runs of rows (`quantize_ahead`).
 template <typename After>
 void rmsnorm_then(const float* x, int64_t M, int64_t H, const float* w, float eps, float* y, const After& after) {
   rows_in_parallel(M, [&](int64_t m0, int64_t m1) {
     prefetch_rows_for_write(M, y, H, m0, m1);
-    for (int64_t m = m0; m < m1; ++m) {
-      const float* xm = x + m * H;
-      float* ym = y + m * H;
-      const float r = 1.0f / std::sqrt(sumsq(xm, H) / static_cast<float>(H) + eps);
-      for (int64_t k = 0; k < H; ++k) ym[k] = w[k] * (xm[k] * r);
-    }
+    for (int64_t m = m0; m < m1; ++m) rmsnorm_row(x + m * H, H, w, eps, y + m * H);
     after(m0, m1);
   });
 }
+
+// A norm a product's threads each apply to all of its input rows before their columns
+// (`own_norm_rows8`): weight w [K], epsilon eps.
+struct RowNorm {
+  const float* w;
+  float eps;
+};
 
 void rmsnorm(const float* x, int64_t M, int64_t H, const float* w, float eps, float* y) {
   rmsnorm_then(x, M, H, w, eps, y, [](int64_t, int64_t) {});
@@ -2689,6 +2702,20 @@ inline BlockRows8 block_rows8(const float* x, int64_t M, int64_t ldx, int64_t K,
   return rows.rows();
 }
 
+// The rows of x [M, K] (row stride ldx) normalised (`rmsnorm_row`) and quantised to 8-bit blocks
+// into this thread's own buffers, all on this thread: each thread of a product forms its own copy
+// of the input, the same codes the norm's job and `quantize_ahead` would have formed, so no job
+// runs before the product and no thread reads activations the other wrote.
+inline BlockRows8 own_norm_rows8(const float* x, int64_t M, int64_t ldx, int64_t K, const RowNorm& norm, bool offset) {
+  thread_local Vec64<float> xn;
+  thread_local Blocks8 rows;
+  xn.resize(M * K);
+  rows.resize(M, K, offset);
+  for (int64_t m = 0; m < M; ++m) rmsnorm_row(x + m * ldx, K, norm.w, norm.eps, xn.data() + m * K);
+  quantize_ahead(rows, xn.data(), K, M, 0, M);
+  return rows.rows();
+}
+
 // MR input rows of 8-bit blocks (`quantize_blocks8`) against NT tiles of 4-bit blocks (`q4_pack`): a
 // block's sum S = sum q a is exact in int32 (|S| <= 15 * 127 * 32) and in float32; each output runs
 // one fma chain over its row's blocks, (d * da) * S, then m * sa, per block. One `vpdpbusd` per 4
@@ -2799,18 +2826,22 @@ constexpr int kQ4A8Tiles = kQ4Group;
 // done->halves, the threads split pairs of groups, group p of each half (the same columns of both).
 // With `stream` (the caller's choice: `FastLlamaKernel::streams`), and y's rows 64-byte aligned: y
 // written with non-temporal stores (for outputs the other thread reads next).
+// With `norm` (A8 only, instead of `pre`): x is the norm's input, and each thread first normalises
+// and quantises all of its rows itself (`own_norm_rows8`).
 template <bool Q8 = false, bool A8 = false>
 void linear_q4_tiles(const float* x, int64_t M, int64_t ldx, const uint8_t* wt, int64_t N, int64_t K,
                      const float* bias, float* y, int64_t ldy, bool accumulate, const Blocks8* pre,
-                     const ColumnsDone* done, bool stream, int64_t pre_row) {
+                     const ColumnsDone* done, bool stream, int64_t pre_row, const RowNorm* norm) {
   stream = stream && reinterpret_cast<uintptr_t>(y) % 64 == 0 && ldy % kQ4Tile == 0;
   const int store = (accumulate ? kStoreAdd : 0) | (stream ? kStoreStream : 0);
   ByteRows rows_q{};
-  BlockRows8 rows8{};
-  if constexpr (A8)
-    rows8 = pre ? pre->rows(pre_row) : block_rows8(x, M, ldx, K, Q8);
-  else
+  BlockRows8 rows_pre{};
+  if constexpr (A8) {
+    if (norm == nullptr) rows_pre = pre ? pre->rows(pre_row) : block_rows8(x, M, ldx, K, Q8);
+  } else {
+    TORCH_CHECK(norm == nullptr, "a product's own norm needs 8-bit block activations");
     rows_q = byte_rows(x, M, ldx, K, Q8, !Q8);  // 4-bit blocks need each block's sum of a
+  }
   constexpr int64_t kBlockBytes = Q8 ? kQ8BlockBytes : kQ4BlockBytes;
   constexpr int kRows = A8 ? kQ4A8Rows : kQ4Rows;
   const int64_t B = K / 32, tiles = N / kQ4Tile;
@@ -2821,6 +2852,10 @@ void linear_q4_tiles(const float* x, int64_t M, int64_t ldx, const uint8_t* wt, 
   team_for(0, halves ? groups / 2 : groups, 1, [&](int64_t i0, int64_t i1) {
     constexpr int64_t F = sizeof(float), GC = kQ4Group * kQ4Tile;
     const int64_t c0 = i0 * GC, c1 = std::min(N, i1 * GC);  // its columns (of each half, with halves)
+    BlockRows8 rows8 = rows_pre;
+    if constexpr (A8) {
+      if (norm != nullptr) rows8 = own_norm_rows8(x, M, ldx, K, *norm, Q8);
+    }
     if (!stream) {
       if (halves) prefetch_for_write(M, y + N / 2 + c0, M, (c1 - c0) * F, ldy * F);
       prefetch_for_write(M, y + c0, M, (c1 - c0) * F, ldy * F);
@@ -2875,10 +2910,10 @@ void linear_q4_tiles(const float* x, int64_t M, int64_t ldx, const uint8_t* wt, 
 inline void linear_block_tiles(bool q8, bool a8, const float* x, int64_t M, int64_t ldx, const uint8_t* wt, int64_t N,
                                int64_t K, const float* bias, float* y, int64_t ldy, bool accumulate,
                                const Blocks8* pre = nullptr, const ColumnsDone* done = nullptr,
-                               bool stream = false, int64_t pre_row = 0) {
+                               bool stream = false, int64_t pre_row = 0, const RowNorm* norm = nullptr) {
   auto* f = q8 ? (a8 ? &linear_q4_tiles<true, true> : &linear_q4_tiles<true, false>)
                : (a8 ? &linear_q4_tiles<false, true> : &linear_q4_tiles<false, false>);
-  f(x, M, ldx, wt, N, K, bias, y, ldy, accumulate, a8 ? pre : nullptr, done, stream, pre_row);
+  f(x, M, ldx, wt, N, K, bias, y, ldy, accumulate, a8 ? pre : nullptr, done, stream, pre_row, norm);
 }
 #else
 inline void quantize_ahead(Blocks8&, const float*, int64_t, int64_t, int64_t, int64_t) {
@@ -4183,6 +4218,12 @@ class FastLlamaKernel {
   // Whether a call of M rows streams what crosses to the other thread (`set_stream`, kStreamRows).
   bool streams(int64_t M) const { return stream_ && M <= kStreamRows; }
 
+  // Whether the products after the norms normalise their own input rows in a call of M rows
+  // (`set_own_norms`, kOwnNormRows; where they take 8-bit blocks: `run`). Every logit is the same
+  // either way.
+  void set_own_norms(bool on) { own_norms_ = on; }
+  bool own_norms(int64_t M) const { return own_norms_ && M <= kOwnNormRows; }
+
   // The int8 head and embedding of int4 and w4a8 (`set_head`, which must come first) also as exact
   // 8-bit blocks in `q8_pack`'s layout (either may be None): head products then multiply them in
   // integers (`q8_tile`, `q8a8_tile`), and embedding rows are read from them exactly. A tied head
@@ -4610,10 +4651,23 @@ class FastLlamaKernel {
   // `pre_row` on (`layers_by_rows`: a thread's rows of the call); `done` then handed
   // each thread's columns at the end of its chunk (`linear_q4_tiles`). `stream`: y goes to the other
   // thread next, so block tiles write it with non-temporal stores where they can (`linear_q4_tiles`).
+  // `norm` (instead of `pre`, where W takes 8-bit blocks): x is the norm's input, and each of the
+  // product's threads normalises and quantises every row itself (`own_norm_rows8`); `done` as with `pre`.
   template <typename WT>
   void product(const Mat& W, const float* x, int64_t M, int64_t K, int64_t N, const float* bias, float* y,
                bool accumulate, const Blocks8* pre = nullptr, const ColumnsDone* done = nullptr,
-               bool stream = false, int64_t pre_row = 0) {
+               bool stream = false, int64_t pre_row = 0, const RowNorm* norm = nullptr) {
+    if constexpr (std::is_same_v<WT, i8>) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+      if (W.q4i.defined() || W.q8i.defined()) {
+        const bool q8 = !W.q4i.defined();
+        linear_block_tiles(q8, act8_, x, M, K, (q8 ? W.q8i : W.q4i).data_ptr<uint8_t>(), N, K, bias, y, N, accumulate,
+                           pre, pre || norm ? done : nullptr, stream, pre_row, norm);
+        return;
+      }
+#endif
+    }
+    TORCH_CHECK(norm == nullptr, "a product's own norm needs block weights");
     if constexpr (std::is_same_v<WT, float>) {
       if (W.q4.defined() && M <= q4_rows_) {
         const Q4Blocks blocks{{W.q4.data_ptr<uint8_t>(), K / 32, N, 0}};
@@ -4627,14 +4681,6 @@ class FastLlamaKernel {
       }
     }
     if constexpr (std::is_same_v<WT, i8>) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-      if (W.q4i.defined() || W.q8i.defined()) {
-        const bool q8 = !W.q4i.defined();
-        linear_block_tiles(q8, act8_, x, M, K, (q8 ? W.q8i : W.q4i).data_ptr<uint8_t>(), N, K, bias, y, N, accumulate,
-                           pre, pre ? done : nullptr, stream, pre_row);
-        return;
-      }
-#endif
       if (W.tiles.defined() && M >= amx_rows_) {
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
         if (amx_) {
@@ -4827,27 +4873,47 @@ class FastLlamaKernel {
     const bool stream = streams(M);  // the wo and down products' outputs go to the norms' rows
     const bool by_rows = rows_split<WT>(M);
     if (by_rows) layers_by_rows(M, sl, ps, cos, sin);
+    // A product's input after a norm: the norm's job writes xn (and 8-bit blocks into q, `ahead`);
+    // or, where the product takes blocks in a call of up to kOwnNormRows tokens (`own_norms`), its
+    // threads each normalise and quantise every row of x themselves, and no job runs before it.
+    struct Normed {
+      const float* x;
+      Blocks8* pre;
+      RowNorm norm;
+      const RowNorm* own() const { return pre == nullptr && norm.w != nullptr ? &norm : nullptr; }
+    };
+    const bool no_norm_jobs = own_norms(M);
+    const auto normed = [&](Blocks8* q, const at::Tensor& w) {
+      if (no_norm_jobs && q != nullptr) return Normed{x, nullptr, {w.data_ptr<float>(), eps_}};
+      norm(w, q);
+      return Normed{xn, q, {nullptr, 0.0f}};
+    };
+    // y [M, N] = W's product over a norm's output `in` (+ bias), `done` handed each thread's columns.
+    const auto product_normed = [&](const Mat& W, const Normed& in, int64_t N, const float* bias, float* y,
+                                    const ColumnsDone* done) {
+      product<WT>(W, in.x, M, H, N, bias, y, false, in.pre, done, false, 0, in.own());
+    };
     for (size_t l = 0; !by_rows && l < layers_.size(); ++l) {
       const Layer& L = layers_[l];
       Blocks8* q = ahead<WT>(L.wqkv, M, H, xq_);
-      norm(L.in_norm, q);
+      Normed in = normed(q, L.in_norm);
       const auto heads = [&](int64_t c0, int64_t c1) { write_heads(l, 0, M, c0 / D, c1 / D, sl, ps, cos, sin); };
       const ColumnsDone heads_done = columns_done(heads);
       const ColumnsDone* heads_at = q != nullptr && heads_whole ? &heads_done : nullptr;
-      product<WT>(L.wqkv, xn, M, H, QKV, opt(L.bqkv), qkv, false, q, heads_at);
+      product_normed(L.wqkv, in, QKV, opt(L.bqkv), qkv, heads_at);
       if (!heads_at) write_kv(l, M, sl, ps, cos, sin);
       Blocks8* qa = D % 32 == 0 ? ahead<WT>(L.wo, M, HQD, attq_) : nullptr;
       attention(l, M, ps, qa);
       product<WT>(L.wo, att_.data(), M, HQD, H, opt(L.bo), x, true, qa, nullptr, stream);
       q = ahead<WT>(L.wgu, M, H, xq_);
-      norm(L.post_norm, q);
+      in = normed(q, L.post_norm);
       Blocks8* qd = ahead<WT>(L.wdown, M, I, actq_);
       const auto swiglu_by_columns = [&](int64_t c0, int64_t c1) { swiglu_columns(M, c0, c1, qd); };
       const ColumnsDone swiglu_done = columns_done(swiglu_by_columns, true);
       if (q != nullptr && swiglu_whole) {
-        product<WT>(L.wgu, xn, M, H, 2 * I, nullptr, gu_.data(), false, q, &swiglu_done);
+        product_normed(L.wgu, in, 2 * I, nullptr, gu_.data(), &swiglu_done);
       } else {
-        product<WT>(L.wgu, xn, M, H, 2 * I, nullptr, gu_.data(), false, q);
+        product_normed(L.wgu, in, 2 * I, nullptr, gu_.data(), nullptr);
         swiglu(M, I, qd);
       }
       product<WT>(L.wdown, act_.data(), M, I, H, nullptr, x, true, qd, nullptr, stream);
@@ -5343,6 +5409,7 @@ class FastLlamaKernel {
   bool fuse_ = true;                  // w4a8's row jobs folded into the jobs before them (`set_fuse`)
   bool stream_ = true;                // non-temporal stores for what crosses to the other thread (`set_stream`)
   bool rows_ = true;                  // int8, int4, w4a8 prompt pieces run their layers by rows (`set_rows`)
+  bool own_norms_ = true;             // short calls' products normalise their own rows (`set_own_norms`)
   int64_t rows_calls_ = 0;            // calls that did (`rows_calls`, for the tests)
   Blocks8 xq_, attq_, actq_;          // the products' 8-bit block inputs, quantised ahead (`ahead`)
   int64_t head_q8_rows_ = kBlockMostRows;  // whole-head logits of up to this many rows read 8-bit blocks
@@ -5377,6 +5444,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_team", &FastLlamaKernel::set_team)
       .def("set_fuse", &FastLlamaKernel::set_fuse)
       .def("set_rows", &FastLlamaKernel::set_rows)
+      .def("set_own_norms", &FastLlamaKernel::set_own_norms)
       .def("rows_calls", &FastLlamaKernel::rows_calls)
       .def("set_stream", &FastLlamaKernel::set_stream)
       .def("set_head", &FastLlamaKernel::set_head)
