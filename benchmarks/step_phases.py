@@ -8,12 +8,12 @@ greedy steps of each width after ``--context`` cached tokens (the cache truncate
 microseconds per step in each part. The clock reads cost well under a microsecond each. Where
 w4a8 folds the jobs between its products into the jobs before them (the kernel's ``set_fuse``), its
 cache writes count in the qkv product, SwiGLU in the gate/up product, and the 8-bit activations of
-each product in the norm, attention or gate/up product that writes its input; in its calls of up to
-8 tokens (the kernel's ``set_own_norms``) the qkv and gate/up products' threads normalise their own
-input rows, and the norms count in those products. Wide int8, int4 and
-w4a8 calls (prompt pieces) run their layers by rows (the kernel's ``set_rows``, ``layers_by_rows``),
-which this does not clock part by part (it says so where the kernel counted such calls):
-``--columns`` times them split by columns instead.
+each product in the norm, attention or gate/up product that writes its input. In calls of up to 8
+tokens the block products' threads form their own input rows (the kernel's ``set_own_rows``):
+w4a8's norms then count in its qkv and gate/up products, and int4's SwiGLU and cache writes as
+w4a8's. Wide int8, int4 and w4a8 calls (prompt pieces) run their layers by rows (the kernel's
+``set_rows``, ``layers_by_rows``), which this does not clock part by part (it says so where the
+kernel counted such calls): ``--columns`` times them split by columns instead.
 
     flock /tmp/verispec-cpu.lock python benchmarks/step_phases.py [--dtype int8] [--widths 1 2 3 5 9]
         [--amx-rows 10 1] [--steps 100] [--context 200] [--source FILE] [--placement --blocks 40]
@@ -49,16 +49,16 @@ PARTS = ["plan", "norms", "qkv", "write_kv", "attn", "wo", "gu", "swiglu", "down
 # Each statement of a layer's loop in `FastLlamaKernel::run`, and the part (index into PARTS) the
 # time up to its end is charged to.
 _LAYER = [
-    ("Normed in = normed(q, L.in_norm);", 1),
+    ("Normed in = normed(L.wqkv, q, L.in_norm);", 1),
     ("product_normed(L.wqkv, in, QKV, opt(L.bqkv), qkv, heads_at);", 2),
     ("if (!heads_at) write_kv(l, M, sl, ps, cos, sin);", 3),
     ("attention(l, M, ps, qa);", 4),
-    ("product<WT>(L.wo, att_.data(), M, HQD, H, opt(L.bo), x, true, qa, nullptr, stream);", 5),
-    ("in = normed(q, L.post_norm);", 1),
+    ("residual_product(L.wo, att_.data(), HQD, opt(L.bo), qa);", 5),
+    ("in = normed(L.wgu, q, L.post_norm);", 1),
     ("product_normed(L.wgu, in, 2 * I, nullptr, gu_.data(), &swiglu_done);", 6),
     ("product_normed(L.wgu, in, 2 * I, nullptr, gu_.data(), nullptr);", 6),
     ("swiglu(M, I, qd);", 7),
-    ("product<WT>(L.wdown, act_.data(), M, I, H, nullptr, x, true, qd, nullptr, stream);", 8),
+    ("residual_product(L.wdown, act_.data(), I, nullptr, qd);", 8),
 ]
 _CLOCK = """#include <vector>
 #include <chrono>

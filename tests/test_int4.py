@@ -243,14 +243,16 @@ def test_streaming_stores_give_the_same_logits(dtype: str) -> None:
 
 
 @requires_vnni
-def test_products_own_norms_give_the_same_logits() -> None:
-    """In w4a8 calls of up to 8 tokens the qkv and gate/up products' threads each normalise and
-    quantise every input row themselves, with no norm job before them (``set_own_norms``). Against
-    the norm jobs, on one, two and three threads: a prompt, steps of 1, 2, 5, 8 and 9 tokens (9:
-    past the own norms), every logit bitwise the same."""
+@pytest.mark.parametrize("dtype", ["int4", "w4a8"])
+def test_products_own_rows_give_the_same_logits(dtype: str) -> None:
+    """In calls of up to 8 tokens the block products' threads each form every input row themselves
+    (``set_own_rows``): w4a8's qkv and gate/up products normalise and quantise x with no norm job
+    before them, int4's four products quantise their own rows. Against the jobs, on one, two and
+    three threads: a prompt, steps of 1, 2, 5, 8 and 9 tokens (9: past the own rows), every logit
+    bitwise the same."""
     hf = _q4_llama(hidden=256)
     ids = torch.randint(0, VOCAB, (2, 65), generator=torch.Generator().manual_seed(9))
-    fast = FastLlama.from_hf(hf, dtype="w4a8", max_batch_size=2)
+    fast = FastLlama.from_hf(hf, dtype=dtype, max_batch_size=2)
 
     def run(_: bool) -> torch.Tensor:
         pieces = [fast.forward(ids[:, :40])]
@@ -258,7 +260,7 @@ def test_products_own_norms_give_the_same_logits() -> None:
         pieces += [fast.forward(ids[:, t : t + w]) for t, w in steps]
         return torch.cat(pieces, dim=1)
 
-    got = _under_toggle(fast, fast._kernel.set_own_norms, run)
+    got = _under_toggle(fast, fast._kernel.set_own_rows, run)
     first = got[False, 1]
     assert all(torch.equal(first, g) for g in got.values())
 

@@ -474,10 +474,12 @@ inline void rows_in_parallel(int64_t M, const F& f) {
 // 0.939x across CCDs (355 rounds, 5.31 -> 5.00 ms), one token 0.996x; on one CCD 1.00x (45).
 constexpr int64_t kStreamRows = 8;
 
-// Calls of at most this many rows skip the norms' jobs where the products after them take 8-bit
-// blocks: each of the product's threads normalises and quantises every row itself
-// (`own_norm_rows8`), so no norm output crosses between the threads and two jobs a layer go.
-constexpr int64_t kOwnNormRows = 8;
+// In calls of at most this many rows the block products (int4, w4a8) form their own input rows
+// on each thread (`OwnRows`): w4a8's qkv and gate/up products normalise and quantise every row
+// themselves, so its norms' jobs go and no norm output crosses between the threads (five-token
+// steps at 200 cached tokens 1.0% faster with the vCPUs on one CCD, 2.3% across; session 53);
+// int4's four products also quantise their own rows.
+constexpr int64_t kOwnRows = 8;
 
 // Calls of at least this many rows in int4 and w4a8 run their layers by rows (`layers_by_rows`),
 // and in int8 of at least kRowSplitRowsInt8: there 32-token calls ran 1.8% slower by rows on one
@@ -1206,6 +1208,20 @@ inline ByteRows byte_rows(const float* x, int64_t M, int64_t ldx, int64_t K, boo
                         sp ? sp + m0 * (K / 32) : nullptr);
   });
   return {xp, hp, lp, sp};
+}
+
+// byte_rows into buffers of this thread's own, all on this thread (for `OwnRows`).
+inline ByteRows own_byte_rows(const float* x, int64_t M, int64_t ldx, int64_t K, bool offset_hi, bool block_sums) {
+  thread_local std::vector<float> xs;
+  thread_local std::vector<i8> hi;
+  thread_local std::vector<uint8_t> lo;
+  thread_local std::vector<float> sums;
+  xs.resize(M);
+  hi.resize(M * K);
+  lo.resize(M * K);
+  sums.resize(block_sums ? M * (K / 32) : 0);
+  quantize_rows_bytes(x, M, ldx, K, hi.data(), lo.data(), xs.data(), offset_hi, block_sums ? sums.data() : nullptr);
+  return {xs.data(), hi.data(), lo.data(), block_sums ? sums.data() : nullptr};
 }
 #endif
 
@@ -2257,11 +2273,12 @@ void rmsnorm_then(const float* x, int64_t M, int64_t H, const float* w, float ep
   });
 }
 
-// A norm a product's threads each apply to all of its input rows before their columns
-// (`own_norm_rows8`): weight w [K], epsilon eps.
-struct RowNorm {
-  const float* w;
-  float eps;
+// A product's input rows formed by each of its threads for itself, from x (`own_rows8`,
+// `own_byte_rows`): no job before the product, and no input row read from the other thread. With
+// `w` (else null), x is a norm's input: rmsnorm_row with weight w [K] and epsilon eps first.
+struct OwnRows {
+  const float* w = nullptr;
+  float eps = 0.0f;
 };
 
 void rmsnorm(const float* x, int64_t M, int64_t H, const float* w, float eps, float* y) {
@@ -2702,17 +2719,26 @@ inline BlockRows8 block_rows8(const float* x, int64_t M, int64_t ldx, int64_t K,
   return rows.rows();
 }
 
-// The rows of x [M, K] (row stride ldx) normalised (`rmsnorm_row`) and quantised to 8-bit blocks
-// into this thread's own buffers, all on this thread: each thread of a product forms its own copy
-// of the input, the same codes the norm's job and `quantize_ahead` would have formed, so no job
-// runs before the product and no thread reads activations the other wrote.
-inline BlockRows8 own_norm_rows8(const float* x, int64_t M, int64_t ldx, int64_t K, const RowNorm& norm, bool offset) {
+// The rows of x [M, K] (row stride ldx), normalised first where `own` has a norm, in this thread's
+// own buffer [M, K] (or x itself without a norm): its row stride in *ld.
+inline const float* own_normed(const float* x, int64_t M, int64_t ldx, int64_t K, const OwnRows& own, int64_t* ld) {
   thread_local Vec64<float> xn;
-  thread_local Blocks8 rows;
+  *ld = ldx;
+  if (own.w == nullptr) return x;
   xn.resize(M * K);
+  for (int64_t m = 0; m < M; ++m) rmsnorm_row(x + m * ldx, K, own.w, own.eps, xn.data() + m * K);
+  *ld = K;
+  return xn.data();
+}
+
+// The rows of x [M, K] (`own_normed`) quantised to 8-bit blocks in this thread's own buffers, all
+// on this thread (`OwnRows`): the same codes the norm's job and `quantize_ahead` would form.
+inline BlockRows8 own_rows8(const float* x, int64_t M, int64_t ldx, int64_t K, const OwnRows& own, bool offset) {
+  thread_local Blocks8 rows;
+  int64_t ld = 0;
+  const float* xn = own_normed(x, M, ldx, K, own, &ld);
   rows.resize(M, K, offset);
-  for (int64_t m = 0; m < M; ++m) rmsnorm_row(x + m * ldx, K, norm.w, norm.eps, xn.data() + m * K);
-  quantize_ahead(rows, xn.data(), K, M, 0, M);
+  quantize_ahead(rows, xn, ld, M, 0, M);
   return rows.rows();
 }
 
@@ -2826,26 +2852,24 @@ constexpr int kQ4A8Tiles = kQ4Group;
 // done->halves, the threads split pairs of groups, group p of each half (the same columns of both).
 // With `stream` (the caller's choice: `FastLlamaKernel::streams`), and y's rows 64-byte aligned: y
 // written with non-temporal stores (for outputs the other thread reads next).
-// With `norm` (A8 only, instead of `pre`): x is the norm's input, and each thread first normalises
-// and quantises all of its rows itself (`own_norm_rows8`).
+// With `own` (instead of `pre`): each thread first forms all of the input rows itself (`OwnRows`).
 template <bool Q8 = false, bool A8 = false>
 void linear_q4_tiles(const float* x, int64_t M, int64_t ldx, const uint8_t* wt, int64_t N, int64_t K,
                      const float* bias, float* y, int64_t ldy, bool accumulate, const Blocks8* pre,
-                     const ColumnsDone* done, bool stream, int64_t pre_row, const RowNorm* norm) {
+                     const ColumnsDone* done, bool stream, int64_t pre_row, const OwnRows* own) {
   stream = stream && reinterpret_cast<uintptr_t>(y) % 64 == 0 && ldy % kQ4Tile == 0;
   const int store = (accumulate ? kStoreAdd : 0) | (stream ? kStoreStream : 0);
-  ByteRows rows_q{};
+  ByteRows rows_pre_q{};
   BlockRows8 rows_pre{};
-  if constexpr (A8) {
-    if (norm == nullptr) rows_pre = pre ? pre->rows(pre_row) : block_rows8(x, M, ldx, K, Q8);
-  } else {
-    TORCH_CHECK(norm == nullptr, "a product's own norm needs 8-bit block activations");
-    rows_q = byte_rows(x, M, ldx, K, Q8, !Q8);  // 4-bit blocks need each block's sum of a
+  if (own == nullptr) {
+    if constexpr (A8)
+      rows_pre = pre ? pre->rows(pre_row) : block_rows8(x, M, ldx, K, Q8);
+    else
+      rows_pre_q = byte_rows(x, M, ldx, K, Q8, !Q8);  // 4-bit blocks need each block's sum of a
   }
   constexpr int64_t kBlockBytes = Q8 ? kQ8BlockBytes : kQ4BlockBytes;
   constexpr int kRows = A8 ? kQ4A8Rows : kQ4Rows;
   const int64_t B = K / 32, tiles = N / kQ4Tile;
-  const float* as = rows_q.sums;
   const int64_t groups = (tiles + kQ4Group - 1) / kQ4Group;
   const bool halves = done != nullptr && done->halves;
   TORCH_CHECK(!halves || N % (2 * kQ4Group * kQ4Tile) == 0, "halves of whole groups");
@@ -2853,9 +2877,17 @@ void linear_q4_tiles(const float* x, int64_t M, int64_t ldx, const uint8_t* wt, 
     constexpr int64_t F = sizeof(float), GC = kQ4Group * kQ4Tile;
     const int64_t c0 = i0 * GC, c1 = std::min(N, i1 * GC);  // its columns (of each half, with halves)
     BlockRows8 rows8 = rows_pre;
-    if constexpr (A8) {
-      if (norm != nullptr) rows8 = own_norm_rows8(x, M, ldx, K, *norm, Q8);
+    ByteRows rows_q = rows_pre_q;
+    if (own != nullptr) {
+      if constexpr (A8) {
+        rows8 = own_rows8(x, M, ldx, K, *own, Q8);
+      } else {
+        int64_t ld = 0;
+        const float* xn = own_normed(x, M, ldx, K, *own, &ld);
+        rows_q = own_byte_rows(xn, M, ld, K, Q8, !Q8);
+      }
     }
+    const float* as = rows_q.sums;
     if (!stream) {
       if (halves) prefetch_for_write(M, y + N / 2 + c0, M, (c1 - c0) * F, ldy * F);
       prefetch_for_write(M, y + c0, M, (c1 - c0) * F, ldy * F);
@@ -2910,10 +2942,10 @@ void linear_q4_tiles(const float* x, int64_t M, int64_t ldx, const uint8_t* wt, 
 inline void linear_block_tiles(bool q8, bool a8, const float* x, int64_t M, int64_t ldx, const uint8_t* wt, int64_t N,
                                int64_t K, const float* bias, float* y, int64_t ldy, bool accumulate,
                                const Blocks8* pre = nullptr, const ColumnsDone* done = nullptr,
-                               bool stream = false, int64_t pre_row = 0, const RowNorm* norm = nullptr) {
+                               bool stream = false, int64_t pre_row = 0, const OwnRows* own = nullptr) {
   auto* f = q8 ? (a8 ? &linear_q4_tiles<true, true> : &linear_q4_tiles<true, false>)
                : (a8 ? &linear_q4_tiles<false, true> : &linear_q4_tiles<false, false>);
-  f(x, M, ldx, wt, N, K, bias, y, ldy, accumulate, a8 ? pre : nullptr, done, stream, pre_row, norm);
+  f(x, M, ldx, wt, N, K, bias, y, ldy, accumulate, a8 ? pre : nullptr, done, stream, pre_row, own);
 }
 #else
 inline void quantize_ahead(Blocks8&, const float*, int64_t, int64_t, int64_t, int64_t) {
@@ -4218,11 +4250,21 @@ class FastLlamaKernel {
   // Whether a call of M rows streams what crosses to the other thread (`set_stream`, kStreamRows).
   bool streams(int64_t M) const { return stream_ && M <= kStreamRows; }
 
-  // Whether the products after the norms normalise their own input rows in a call of M rows
-  // (`set_own_norms`, kOwnNormRows; where they take 8-bit blocks: `run`). Every logit is the same
+  // Whether the block products (int4, w4a8) of a call of M rows form their own input rows on each
+  // thread (`set_own_rows`, kOwnRows, `OwnRows`; which products: `run`). Every logit is the same
   // either way.
-  void set_own_norms(bool on) { own_norms_ = on; }
-  bool own_norms(int64_t M) const { return own_norms_ && M <= kOwnNormRows; }
+  void set_own_rows(bool on) { own_rows_ = on; }
+  bool own_rows(int64_t M) const { return own_rows_ && M <= kOwnRows; }
+
+  // Whether product<WT>(W, ..) reads W's blocks (`linear_block_tiles`: int4, w4a8).
+  template <typename WT>
+  bool block_product(const Mat& W) const {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if constexpr (std::is_same_v<WT, i8>) return W.q4i.defined() || W.q8i.defined();
+#endif
+    (void)W;
+    return false;
+  }
 
   // The int8 head and embedding of int4 and w4a8 (`set_head`, which must come first) also as exact
   // 8-bit blocks in `q8_pack`'s layout (either may be None): head products then multiply them in
@@ -4651,23 +4693,24 @@ class FastLlamaKernel {
   // `pre_row` on (`layers_by_rows`: a thread's rows of the call); `done` then handed
   // each thread's columns at the end of its chunk (`linear_q4_tiles`). `stream`: y goes to the other
   // thread next, so block tiles write it with non-temporal stores where they can (`linear_q4_tiles`).
-  // `norm` (instead of `pre`, where W takes 8-bit blocks): x is the norm's input, and each of the
-  // product's threads normalises and quantises every row itself (`own_norm_rows8`); `done` as with `pre`.
+  // `own` (instead of `pre`, where W has blocks: `own_rows`): each of the product's threads forms
+  // every input row itself (`OwnRows`: quantised, normalised first where it has a norm); `done` as
+  // with `pre`.
   template <typename WT>
   void product(const Mat& W, const float* x, int64_t M, int64_t K, int64_t N, const float* bias, float* y,
                bool accumulate, const Blocks8* pre = nullptr, const ColumnsDone* done = nullptr,
-               bool stream = false, int64_t pre_row = 0, const RowNorm* norm = nullptr) {
+               bool stream = false, int64_t pre_row = 0, const OwnRows* own = nullptr) {
     if constexpr (std::is_same_v<WT, i8>) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
       if (W.q4i.defined() || W.q8i.defined()) {
         const bool q8 = !W.q4i.defined();
         linear_block_tiles(q8, act8_, x, M, K, (q8 ? W.q8i : W.q4i).data_ptr<uint8_t>(), N, K, bias, y, N, accumulate,
-                           pre, pre || norm ? done : nullptr, stream, pre_row, norm);
+                           pre, pre || own ? done : nullptr, stream, pre_row, own);
         return;
       }
 #endif
     }
-    TORCH_CHECK(norm == nullptr, "a product's own norm needs block weights");
+    TORCH_CHECK(own == nullptr, "a product's own input rows need block weights");
     if constexpr (std::is_same_v<WT, float>) {
       if (W.q4.defined() && M <= q4_rows_) {
         const Q4Blocks blocks{{W.q4.data_ptr<uint8_t>(), K / 32, N, 0}};
@@ -4874,49 +4917,58 @@ class FastLlamaKernel {
     const bool by_rows = rows_split<WT>(M);
     if (by_rows) layers_by_rows(M, sl, ps, cos, sin);
     // A product's input after a norm: the norm's job writes xn (and 8-bit blocks into q, `ahead`);
-    // or, where the product takes blocks in a call of up to kOwnNormRows tokens (`own_norms`), its
-    // threads each normalise and quantise every row of x themselves, and no job runs before it.
+    // or, where the product reads block weights in a call of up to kOwnRows tokens (`own_rows`),
+    // its threads each form every input row from x themselves (`OwnRows`), and no job runs before
+    // it. The int4 products after the attention and SwiGLU form their own rows alike.
     struct Normed {
       const float* x;
       Blocks8* pre;
-      RowNorm norm;
-      const RowNorm* own() const { return pre == nullptr && norm.w != nullptr ? &norm : nullptr; }
+      OwnRows rows;
+      bool by_threads;
+      const OwnRows* own() const { return by_threads ? &rows : nullptr; }
     };
-    const bool no_norm_jobs = own_norms(M);
-    const auto normed = [&](Blocks8* q, const at::Tensor& w) {
-      if (no_norm_jobs && q != nullptr) return Normed{x, nullptr, {w.data_ptr<float>(), eps_}};
+    const bool own_calls = own_rows(M);
+    const auto normed = [&](const Mat& W, Blocks8* q, const at::Tensor& w) {
+      if (own_calls && block_product<WT>(W)) return Normed{x, nullptr, {w.data_ptr<float>(), eps_}, true};
       norm(w, q);
-      return Normed{xn, q, {nullptr, 0.0f}};
+      return Normed{xn, q, {}, false};
     };
     // y [M, N] = W's product over a norm's output `in` (+ bias), `done` handed each thread's columns.
     const auto product_normed = [&](const Mat& W, const Normed& in, int64_t N, const float* bias, float* y,
                                     const ColumnsDone* done) {
       product<WT>(W, in.x, M, H, N, bias, y, false, in.pre, done, false, 0, in.own());
     };
+    // x [M, H] += W's product over a [M, K] (+ bias), its 8-bit blocks in `pre` where quantised
+    // ahead; else, where W has blocks, each thread quantises its own rows of a in short calls.
+    const OwnRows unnormed{};
+    const auto residual_product = [&](const Mat& W, const float* a, int64_t K, const float* bias, Blocks8* pre) {
+      const OwnRows* own = own_calls && pre == nullptr && block_product<WT>(W) ? &unnormed : nullptr;
+      product<WT>(W, a, M, K, H, bias, x, true, pre, nullptr, stream, 0, own);
+    };
     for (size_t l = 0; !by_rows && l < layers_.size(); ++l) {
       const Layer& L = layers_[l];
       Blocks8* q = ahead<WT>(L.wqkv, M, H, xq_);
-      Normed in = normed(q, L.in_norm);
+      Normed in = normed(L.wqkv, q, L.in_norm);
       const auto heads = [&](int64_t c0, int64_t c1) { write_heads(l, 0, M, c0 / D, c1 / D, sl, ps, cos, sin); };
       const ColumnsDone heads_done = columns_done(heads);
-      const ColumnsDone* heads_at = q != nullptr && heads_whole ? &heads_done : nullptr;
+      const ColumnsDone* heads_at = (q != nullptr || in.own()) && heads_whole ? &heads_done : nullptr;
       product_normed(L.wqkv, in, QKV, opt(L.bqkv), qkv, heads_at);
       if (!heads_at) write_kv(l, M, sl, ps, cos, sin);
       Blocks8* qa = D % 32 == 0 ? ahead<WT>(L.wo, M, HQD, attq_) : nullptr;
       attention(l, M, ps, qa);
-      product<WT>(L.wo, att_.data(), M, HQD, H, opt(L.bo), x, true, qa, nullptr, stream);
+      residual_product(L.wo, att_.data(), HQD, opt(L.bo), qa);
       q = ahead<WT>(L.wgu, M, H, xq_);
-      in = normed(q, L.post_norm);
+      in = normed(L.wgu, q, L.post_norm);
       Blocks8* qd = ahead<WT>(L.wdown, M, I, actq_);
       const auto swiglu_by_columns = [&](int64_t c0, int64_t c1) { swiglu_columns(M, c0, c1, qd); };
       const ColumnsDone swiglu_done = columns_done(swiglu_by_columns, true);
-      if (q != nullptr && swiglu_whole) {
+      if ((q != nullptr || in.own()) && swiglu_whole) {
         product_normed(L.wgu, in, 2 * I, nullptr, gu_.data(), &swiglu_done);
       } else {
         product_normed(L.wgu, in, 2 * I, nullptr, gu_.data(), nullptr);
         swiglu(M, I, qd);
       }
-      product<WT>(L.wdown, act_.data(), M, I, H, nullptr, x, true, qd, nullptr, stream);
+      residual_product(L.wdown, act_.data(), I, nullptr, qd);
     }
 
     if (keep_hidden_) {
@@ -5409,7 +5461,7 @@ class FastLlamaKernel {
   bool fuse_ = true;                  // w4a8's row jobs folded into the jobs before them (`set_fuse`)
   bool stream_ = true;                // non-temporal stores for what crosses to the other thread (`set_stream`)
   bool rows_ = true;                  // int8, int4, w4a8 prompt pieces run their layers by rows (`set_rows`)
-  bool own_norms_ = true;             // short calls' products normalise their own rows (`set_own_norms`)
+  bool own_rows_ = true;              // short calls' block products form their own rows (`set_own_rows`)
   int64_t rows_calls_ = 0;            // calls that did (`rows_calls`, for the tests)
   Blocks8 xq_, attq_, actq_;          // the products' 8-bit block inputs, quantised ahead (`ahead`)
   int64_t head_q8_rows_ = kBlockMostRows;  // whole-head logits of up to this many rows read 8-bit blocks
@@ -5444,7 +5496,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_team", &FastLlamaKernel::set_team)
       .def("set_fuse", &FastLlamaKernel::set_fuse)
       .def("set_rows", &FastLlamaKernel::set_rows)
-      .def("set_own_norms", &FastLlamaKernel::set_own_norms)
+      .def("set_own_rows", &FastLlamaKernel::set_own_rows)
       .def("rows_calls", &FastLlamaKernel::rows_calls)
       .def("set_stream", &FastLlamaKernel::set_stream)
       .def("set_head", &FastLlamaKernel::set_head)
