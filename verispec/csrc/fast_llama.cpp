@@ -1188,21 +1188,32 @@ struct ByteRows {
   const uint8_t* lo;      // [M, K]
   const float* sums;      // [M, K / 32] with `block_sums`, else null
 };
+// Buffers for ByteRows of M rows of K: each function below keeps one per thread.
+struct ByteRowBuffers {
+  std::vector<float> xs, sums;
+  std::vector<i8> hi;
+  std::vector<uint8_t> lo;
+  // The buffers sized for M rows of K; the pointers to write them (sums null without block_sums).
+  void size(int64_t M, int64_t K, bool block_sums, float** xp, i8** hp, uint8_t** lp, float** sp) {
+    xs.resize(M);
+    hi.resize(M * K);
+    lo.resize(M * K);
+    sums.resize(block_sums ? M * (K / 32) : 0);
+    *xp = xs.data();
+    *hp = hi.data();
+    *lp = lo.data();
+    *sp = block_sums ? sums.data() : nullptr;
+  }
+};
+
 inline ByteRows byte_rows(const float* x, int64_t M, int64_t ldx, int64_t K, bool offset_hi,
                           bool block_sums = false) {
-  thread_local std::vector<float> xs;
-  thread_local std::vector<i8> hi;
-  thread_local std::vector<uint8_t> lo;
-  thread_local std::vector<float> sums;
-  xs.resize(M);
-  hi.resize(M * K);
-  lo.resize(M * K);
-  sums.resize(block_sums ? M * (K / 32) : 0);
+  thread_local ByteRowBuffers buf;
   // This thread's buffers, by pointer: in the workers, the names would be their own thread_locals.
-  float* xp = xs.data();
-  i8* hp = hi.data();
-  uint8_t* lp = lo.data();
-  float* sp = block_sums ? sums.data() : nullptr;
+  float *xp, *sp;
+  i8* hp;
+  uint8_t* lp;
+  buf.size(M, K, block_sums, &xp, &hp, &lp, &sp);
   rows_in_parallel(M, [=](int64_t m0, int64_t m1) {
     quantize_rows_bytes(x + m0 * ldx, m1 - m0, ldx, K, hp + m0 * K, lp + m0 * K, xp + m0, offset_hi,
                         sp ? sp + m0 * (K / 32) : nullptr);
@@ -1212,16 +1223,13 @@ inline ByteRows byte_rows(const float* x, int64_t M, int64_t ldx, int64_t K, boo
 
 // byte_rows into buffers of this thread's own, all on this thread (for `OwnRows`).
 inline ByteRows own_byte_rows(const float* x, int64_t M, int64_t ldx, int64_t K, bool offset_hi, bool block_sums) {
-  thread_local std::vector<float> xs;
-  thread_local std::vector<i8> hi;
-  thread_local std::vector<uint8_t> lo;
-  thread_local std::vector<float> sums;
-  xs.resize(M);
-  hi.resize(M * K);
-  lo.resize(M * K);
-  sums.resize(block_sums ? M * (K / 32) : 0);
-  quantize_rows_bytes(x, M, ldx, K, hi.data(), lo.data(), xs.data(), offset_hi, block_sums ? sums.data() : nullptr);
-  return {xs.data(), hi.data(), lo.data(), block_sums ? sums.data() : nullptr};
+  thread_local ByteRowBuffers buf;
+  float *xp, *sp;
+  i8* hp;
+  uint8_t* lp;
+  buf.size(M, K, block_sums, &xp, &hp, &lp, &sp);
+  quantize_rows_bytes(x, M, ldx, K, hp, lp, xp, offset_hi, sp);
+  return {xp, hp, lp, sp};
 }
 #endif
 
