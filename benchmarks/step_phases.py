@@ -9,11 +9,12 @@ microseconds per step in each part. The clock reads cost well under a microsecon
 w4a8 folds the jobs between its products into the jobs before them (the kernel's ``set_fuse``), its
 cache writes count in the qkv product, SwiGLU in the gate/up product, and the 8-bit activations of
 each product in the norm, attention or gate/up product that writes its input. In calls of up to 8
-tokens the block products' threads form their own input rows (the kernel's ``set_own_rows``):
-w4a8's norms then count in its qkv and gate/up products, and int4's SwiGLU and cache writes as
-w4a8's. Wide int8, int4 and w4a8 calls (prompt pieces) run their layers by rows (the kernel's
-``set_rows``, ``layers_by_rows``), which this does not clock part by part (it says so where the
-kernel counted such calls): ``--columns`` times them split by columns instead.
+tokens the products' threads form their own input rows (the kernel's ``set_own_rows``): w4a8's
+norms then count in its qkv and gate/up products, int4's SwiGLU and cache writes as w4a8's, and
+int4's and int8's norms in the products after them. Wide int8, int4 and w4a8 calls (prompt
+pieces) run their layers by rows (the kernel's ``set_rows``, ``layers_by_rows``), which this does
+not clock part by part (it says so where the kernel counted such calls): ``--columns`` times them
+split by columns instead.
 
     flock /tmp/verispec-cpu.lock python benchmarks/step_phases.py [--dtype int8] [--widths 1 2 3 5 9]
         [--amx-rows 10 1] [--steps 100] [--context 200] [--source FILE] [--placement --blocks 40]

@@ -243,13 +243,13 @@ def test_streaming_stores_give_the_same_logits(dtype: str) -> None:
 
 
 @requires_vnni
-@pytest.mark.parametrize("dtype", ["int4", "w4a8"])
+@pytest.mark.parametrize("dtype", ["int4", "w4a8", "int8"])
 def test_products_own_rows_give_the_same_logits(dtype: str) -> None:
-    """In calls of up to 8 tokens the block products' threads each form every input row themselves
+    """In calls of up to 8 tokens the products' threads each form every input row themselves
     (``set_own_rows``): w4a8's qkv and gate/up products normalise and quantise x with no norm job
-    before them, int4's four products quantise their own rows. Against the jobs, on one, two and
-    three threads: a prompt, steps of 1, 2, 5, 8 and 9 tokens (9: past the own rows), every logit
-    bitwise the same."""
+    before them, int4's and int8's four products quantise their own rows. Against the jobs, on one,
+    two and three threads: a prompt, steps of 1, 2, 5, 8 and 9 tokens (9: past the own rows), every
+    logit bitwise the same."""
     hf = _q4_llama(hidden=256)
     ids = torch.randint(0, VOCAB, (2, 65), generator=torch.Generator().manual_seed(9))
     fast = FastLlama.from_hf(hf, dtype=dtype, max_batch_size=2)

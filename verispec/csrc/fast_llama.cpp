@@ -474,11 +474,12 @@ inline void rows_in_parallel(int64_t M, const F& f) {
 // 0.939x across CCDs (355 rounds, 5.31 -> 5.00 ms), one token 0.996x; on one CCD 1.00x (45).
 constexpr int64_t kStreamRows = 8;
 
-// In calls of at most this many rows the block products (int4, w4a8) form their own input rows
+// In calls of at most this many rows the products of int4, w4a8 and int8 form their own input rows
 // on each thread (`OwnRows`): w4a8's qkv and gate/up products normalise and quantise every row
 // themselves, so its norms' jobs go and no norm output crosses between the threads (five-token
 // steps at 200 cached tokens 1.0% faster with the vCPUs on one CCD, 2.3% across; session 53);
-// int4's four products also quantise their own rows.
+// int4's and int8's four products also quantise their own rows (which int8 did on the first
+// thread alone), five-token steps 2.2% / 11% (int4) and 2.8% / 6.5% (int8) faster.
 constexpr int64_t kOwnRows = 8;
 
 // Calls of at least this many rows in int4 and w4a8 run their layers by rows (`layers_by_rows`),
@@ -1871,11 +1872,13 @@ constexpr int64_t kQuietPrefetch = 1024;
 // the split never changes any element's arithmetic), and only the first pass prefetches, later
 // ones find the block in L1/L2. `pass(m, mr, n0, nr, first)` computes input rows m .. m+mr against
 // weight rows n0 .. n0+nr. `NB` (a multiple of 8) replaces the 8 rows of a block; threads take at
-// least 128 rows each.
-template <typename Pass>
-void for_each_pass(int64_t M, int64_t N, const Pass& pass, int64_t most = 6, int64_t NB = 8) {
+// least 128 rows each. `first_in_chunk()` runs on each thread before its blocks (`OwnRows`).
+template <typename Pass, typename First>
+void for_each_pass_after(int64_t M, int64_t N, const First& first_in_chunk, const Pass& pass, int64_t most = 6,
+                         int64_t NB = 8) {
   const int64_t nblocks = (N + NB - 1) / NB;
   team_for(0, nblocks, std::max<int64_t>(1, 128 / NB), [&](int64_t b0, int64_t b1) {
+    first_in_chunk();
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * NB;
       const int64_t nr = std::min(NB, N - n0);
@@ -1889,6 +1892,34 @@ void for_each_pass(int64_t M, int64_t N, const Pass& pass, int64_t most = 6, int
   });
 }
 
+template <typename Pass>
+void for_each_pass(int64_t M, int64_t N, const Pass& pass, int64_t most = 6, int64_t NB = 8) {
+  for_each_pass_after(M, N, [] {}, pass, most, NB);
+}
+
+// Declared here for `linear`'s own rows (defined with the norms below).
+struct OwnRows;
+inline const float* own_normed(const float* x, int64_t M, int64_t ldx, int64_t K, const OwnRows& own, int64_t* ld);
+
+// int16 rows (`quantize_rows_i16`) a thread formed for itself: x [M, K] and scales xs [M].
+struct I16Rows {
+  const int16_t* q;
+  const float* qs;
+};
+inline thread_local I16Rows t_own_i16{};  // this thread's, set by `own_i16_rows`
+
+// The rows of x [M, K] (`own_normed` first) quantised into this thread's own buffers (t_own_i16).
+inline void own_i16_rows(const float* x, int64_t M, int64_t ldx, int64_t K, const OwnRows& own) {
+  thread_local std::vector<int16_t> q;
+  thread_local std::vector<float> qs;
+  int64_t ld = 0;
+  const float* xn = own_normed(x, M, ldx, K, own, &ld);
+  q.resize(M * K);
+  qs.resize(M);
+  quantize_rows_i16(xn, M, ld, K, q.data(), qs.data());
+  t_own_i16 = {q.data(), qs.data()};
+}
+
 // y[M, N] (+)= (x[M, K] @ w[N, K]^T) * scale[N] + bias. Threads split the weight rows, so each thread
 // streams its half of the weights once; within a block of 8 weight rows every input row is applied
 // while the block is in L1 (`for_each_pass`).
@@ -1899,9 +1930,11 @@ void for_each_pass(int64_t M, int64_t N, const Pass& pass, int64_t most = 6, int
 // prefetcher keeps up with the single stream alone, and a software prefetch cost 10-25% of the
 // bandwidth; on the Xeon it saved 19% with int8 weights).
 template <typename WT>
+//
+// `own` (int8 only): each thread forms the int16 rows itself (`own_i16_rows`), no quantisation first.
 void linear(const float* x, int64_t M, int64_t ldx, const WT* w, int64_t N, int64_t K,
             const float* scale, const float* bias, float* y, int64_t ldy, bool accumulate,
-            bool paired, const Schedule& sched) {
+            bool paired, const Schedule& sched, const OwnRows* own = nullptr) {
   const bool quiet = paired && M == 1 && !sched.prefetch_one_row;
   int64_t pf = quiet ? 0 : kPrefetchBytes / static_cast<int64_t>(sizeof(WT));
 #if !defined(__AVX512VL__)
@@ -1910,16 +1943,24 @@ void linear(const float* x, int64_t M, int64_t ldx, const WT* w, int64_t N, int6
   if constexpr (std::is_same_v<WT, i8>) {
     thread_local std::vector<int16_t> xq;
     thread_local std::vector<float> xs;
-    xq.resize(M * K);
-    xs.resize(M);
-    quantize_rows_i16(x, M, ldx, K, xq.data(), xs.data());
-    const int16_t* q = xq.data();
-    const float* qs = xs.data();
+    I16Rows shared{};
+    if (own == nullptr) {
+      xq.resize(M * K);
+      xs.resize(M);
+      quantize_rows_i16(x, M, ldx, K, xq.data(), xs.data());
+      shared = {xq.data(), xs.data()};
+    }
+    const auto first_in_chunk = [&] {
+      if (own != nullptr) own_i16_rows(x, M, ldx, K, *own);
+    };
+    // The rows this thread reads: its own (`t_own_i16`) with `own`, else the shared ones.
+    const auto rows = [&] { return own != nullptr ? t_own_i16 : shared; };
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     if (paired && M >= sched.wide_int8_rows) {
-      for_each_pass(M, N, [&](int64_t m, int64_t mr, int64_t n0, int64_t nr, bool first) {
+      for_each_pass_after(M, N, first_in_chunk, [&](int64_t m, int64_t mr, int64_t n0, int64_t nr, bool first) {
+        const I16Rows r = rows();
         with_rows<kWideInt8MostRows>(mr, [&](auto R) {
-          tile_rows_q_wide<decltype(R)::value>(q + m * K, K, qs + m, w + n0 * K, K, nr, scale + n0,
+          tile_rows_q_wide<decltype(R)::value>(r.q + m * K, K, r.qs + m, w + n0 * K, K, nr, scale + n0,
                                                bias ? bias + n0 : nullptr, y + m * ldy + n0, ldy, accumulate,
                                                first ? pf : 0);
         });
@@ -1927,12 +1968,14 @@ void linear(const float* x, int64_t M, int64_t ldx, const WT* w, int64_t N, int6
       return;
     }
 #endif
-    for_each_pass(M, N, [&](int64_t m, int64_t mr, int64_t n0, int64_t nr, bool first) {
-      tile_any_q(mr, q + m * K, K, qs + m, w + n0 * K, K, nr, scale + n0, bias ? bias + n0 : nullptr,
+    for_each_pass_after(M, N, first_in_chunk, [&](int64_t m, int64_t mr, int64_t n0, int64_t nr, bool first) {
+      const I16Rows r = rows();
+      tile_any_q(mr, r.q + m * K, K, r.qs + m, w + n0 * K, K, nr, scale + n0, bias ? bias + n0 : nullptr,
                  y + m * ldy + n0, ldy, accumulate, first ? pf : 0, paired,
                  sched.two_pair_rows_int8);
     });
   } else {
+    TORCH_CHECK(own == nullptr, "a product's own input rows need int8 or block weights");
 #if defined(__AVX512F__)
     if constexpr (std::is_same_v<WT, float>) {
       const int64_t wide = std::max(sched.wide_float_rows, sched.two_pair_rows_float);
@@ -2282,12 +2325,25 @@ void rmsnorm_then(const float* x, int64_t M, int64_t H, const float* w, float ep
 }
 
 // A product's input rows formed by each of its threads for itself, from x (`own_rows8`,
-// `own_byte_rows`): no job before the product, and no input row read from the other thread. With
-// `w` (else null), x is a norm's input: rmsnorm_row with weight w [K] and epsilon eps first.
+// `own_byte_rows`, `own_i16_rows`): no job before the product, and no input row read from the
+// other thread. With `w` (else null), x is a norm's input: rmsnorm_row with weight w [K] and
+// epsilon eps first.
 struct OwnRows {
   const float* w = nullptr;
   float eps = 0.0f;
 };
+
+// The rows of x [M, K] (row stride ldx), normalised first where `own` has a norm, in this thread's
+// own buffer [M, K] (or x itself without a norm): its row stride in *ld.
+inline const float* own_normed(const float* x, int64_t M, int64_t ldx, int64_t K, const OwnRows& own, int64_t* ld) {
+  thread_local Vec64<float> xn;
+  *ld = ldx;
+  if (own.w == nullptr) return x;
+  xn.resize(M * K);
+  for (int64_t m = 0; m < M; ++m) rmsnorm_row(x + m * ldx, K, own.w, own.eps, xn.data() + m * K);
+  *ld = K;
+  return xn.data();
+}
 
 void rmsnorm(const float* x, int64_t M, int64_t H, const float* w, float eps, float* y) {
   rmsnorm_then(x, M, H, w, eps, y, [](int64_t, int64_t) {});
@@ -2725,18 +2781,6 @@ inline BlockRows8 block_rows8(const float* x, int64_t M, int64_t ldx, int64_t K,
   Blocks8* b = &rows;  // this thread's buffers, by pointer (see byte_rows)
   rows_in_parallel(M, [=](int64_t m0, int64_t m1) { quantize_ahead(*b, x, ldx, M, m0, m1); });
   return rows.rows();
-}
-
-// The rows of x [M, K] (row stride ldx), normalised first where `own` has a norm, in this thread's
-// own buffer [M, K] (or x itself without a norm): its row stride in *ld.
-inline const float* own_normed(const float* x, int64_t M, int64_t ldx, int64_t K, const OwnRows& own, int64_t* ld) {
-  thread_local Vec64<float> xn;
-  *ld = ldx;
-  if (own.w == nullptr) return x;
-  xn.resize(M * K);
-  for (int64_t m = 0; m < M; ++m) rmsnorm_row(x + m * ldx, K, own.w, own.eps, xn.data() + m * K);
-  *ld = K;
-  return xn.data();
 }
 
 // The rows of x [M, K] (`own_normed`) quantised to 8-bit blocks in this thread's own buffers, all
@@ -4258,19 +4302,28 @@ class FastLlamaKernel {
   // Whether a call of M rows streams what crosses to the other thread (`set_stream`, kStreamRows).
   bool streams(int64_t M) const { return stream_ && M <= kStreamRows; }
 
-  // Whether the block products (int4, w4a8) of a call of M rows form their own input rows on each
-  // thread (`set_own_rows`, kOwnRows, `OwnRows`; which products: `run`). Every logit is the same
-  // either way.
+  // Whether the products of a call of M rows form their own input rows on each thread where they
+  // can (`set_own_rows`, kOwnRows, `OwnRows`, `takes_own_rows`; which products: `run`). Every logit
+  // is the same either way.
   void set_own_rows(bool on) { own_rows_ = on; }
   bool own_rows(int64_t M) const { return own_rows_ && M <= kOwnRows; }
 
-  // Whether product<WT>(W, ..) reads W's blocks (`linear_block_tiles`: int4, w4a8).
+  // Whether product<WT>(W, ..) reads W's blocks (`linear_block_tiles`: int4, w4a8): it then hands
+  // its threads' columns on (`ColumnsDone`).
   template <typename WT>
   bool block_product(const Mat& W) const {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     if constexpr (std::is_same_v<WT, i8>) return W.q4i.defined() || W.q8i.defined();
 #endif
     (void)W;
+    return false;
+  }
+
+  // Whether product<WT>(W, ..) over M rows takes `OwnRows`: block products, and int8's row products.
+  template <typename WT>
+  bool takes_own_rows(const Mat& W, int64_t M) const {
+    if constexpr (std::is_same_v<WT, i8>) return block_product<WT>(W) || !reads_tiles(W, M);
+    (void)W, (void)M;
     return false;
   }
 
@@ -4717,8 +4770,24 @@ class FastLlamaKernel {
         return;
       }
 #endif
+      if (reads_tiles(W, M)) {
+        TORCH_CHECK(own == nullptr, "a product's own input rows need int8 rows or block weights");
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
+        if (amx_) {
+          linear_amx(x, M, K, wptr<i8>(W.tiles), N, K, W.sc(), bias, y, N, accumulate);
+          return;
+        }
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+        linear_vnni_tiles(x, M, K, wptr<i8>(W.tiles), W.wsum.data_ptr<int32_t>(), N, K, W.sc(), bias, y, N,
+                          accumulate);
+        return;
+#endif
+      }
+      linear(x, M, K, wptr<WT>(W.w), N, K, W.sc(), bias, y, N, accumulate, W.paired, schedule_, own);
+      return;
     }
-    TORCH_CHECK(own == nullptr, "a product's own input rows need block weights");
+    TORCH_CHECK(own == nullptr, "a product's own input rows need int8 rows or block weights");
     if constexpr (std::is_same_v<WT, float>) {
       if (W.q4.defined() && M <= q4_rows_) {
         const Q4Blocks blocks{{W.q4.data_ptr<uint8_t>(), K / 32, N, 0}};
@@ -4731,24 +4800,20 @@ class FastLlamaKernel {
         return;
       }
     }
-    if constexpr (std::is_same_v<WT, i8>) {
-      if (W.tiles.defined() && M >= amx_rows_) {
+    linear(x, M, K, wptr<WT>(W.w), N, K, W.sc(), bias, y, N, accumulate, W.paired, schedule_);
+  }
+
+  // Whether product<i8>(W, ..) over M rows reads W's tiles (int8 prompts: AMX, else VNNI).
+  bool reads_tiles(const Mat& W, int64_t M) const {
+    if (!W.tiles.defined() || M < amx_rows_) return false;
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
-        if (amx_) {
-          linear_amx(x, M, K, wptr<i8>(W.tiles), N, K, W.sc(), bias, y, N, accumulate);
-          return;
-        }
+    if (amx_) return true;
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-        if (vnni_tiles_ && W.wsum.defined()) {
-          linear_vnni_tiles(x, M, K, wptr<i8>(W.tiles), W.wsum.data_ptr<int32_t>(), N, K, W.sc(), bias, y, N,
-                            accumulate);
-          return;
-        }
+    return vnni_tiles_ && W.wsum.defined();
+#else
+    return false;
 #endif
-      }
-    }
-    linear(x, M, K, wptr<WT>(W.w), N, K, W.sc(), bias, y, N, accumulate, W.paired, schedule_);
   }
 
   // Where product<WT>(W, ..) over M rows of K columns takes 8-bit block activations, `buf` sized for
@@ -4925,9 +4990,10 @@ class FastLlamaKernel {
     const bool by_rows = rows_split<WT>(M);
     if (by_rows) layers_by_rows(M, sl, ps, cos, sin);
     // A product's input after a norm: the norm's job writes xn (and 8-bit blocks into q, `ahead`);
-    // or, where the product reads block weights in a call of up to kOwnRows tokens (`own_rows`),
-    // its threads each form every input row from x themselves (`OwnRows`), and no job runs before
-    // it. The int4 products after the attention and SwiGLU form their own rows alike.
+    // or, where the product can (`takes_own_rows`: int4, w4a8, int8) in a call of up to kOwnRows
+    // tokens (`own_rows`), its threads each form every input row from x themselves (`OwnRows`),
+    // and no job runs before it. The int4 and int8 products after the attention and SwiGLU form
+    // their own rows alike. Only block products hand their columns on (the heads, SwiGLU).
     struct Normed {
       const float* x;
       Blocks8* pre;
@@ -4937,7 +5003,7 @@ class FastLlamaKernel {
     };
     const bool own_calls = own_rows(M);
     const auto normed = [&](const Mat& W, Blocks8* q, const at::Tensor& w) {
-      if (own_calls && block_product<WT>(W)) return Normed{x, nullptr, {w.data_ptr<float>(), eps_}, true};
+      if (own_calls && takes_own_rows<WT>(W, M)) return Normed{x, nullptr, {w.data_ptr<float>(), eps_}, true};
       norm(w, q);
       return Normed{xn, q, {}, false};
     };
@@ -4947,10 +5013,10 @@ class FastLlamaKernel {
       product<WT>(W, in.x, M, H, N, bias, y, false, in.pre, done, false, 0, in.own());
     };
     // x [M, H] += W's product over a [M, K] (+ bias), its 8-bit blocks in `pre` where quantised
-    // ahead; else, where W has blocks, each thread quantises its own rows of a in short calls.
+    // ahead; else, where the product can, each thread quantises its own rows of a in short calls.
     const OwnRows unnormed{};
     const auto residual_product = [&](const Mat& W, const float* a, int64_t K, const float* bias, Blocks8* pre) {
-      const OwnRows* own = own_calls && pre == nullptr && block_product<WT>(W) ? &unnormed : nullptr;
+      const OwnRows* own = own_calls && pre == nullptr && takes_own_rows<WT>(W, M) ? &unnormed : nullptr;
       product<WT>(W, a, M, K, H, bias, x, true, pre, nullptr, stream, 0, own);
     };
     for (size_t l = 0; !by_rows && l < layers_.size(); ++l) {
@@ -4959,7 +5025,8 @@ class FastLlamaKernel {
       Normed in = normed(L.wqkv, q, L.in_norm);
       const auto heads = [&](int64_t c0, int64_t c1) { write_heads(l, 0, M, c0 / D, c1 / D, sl, ps, cos, sin); };
       const ColumnsDone heads_done = columns_done(heads);
-      const ColumnsDone* heads_at = (q != nullptr || in.own()) && heads_whole ? &heads_done : nullptr;
+      const bool heads_by_columns = q != nullptr || (in.own() && block_product<WT>(L.wqkv));
+      const ColumnsDone* heads_at = heads_by_columns && heads_whole ? &heads_done : nullptr;
       product_normed(L.wqkv, in, QKV, opt(L.bqkv), qkv, heads_at);
       if (!heads_at) write_kv(l, M, sl, ps, cos, sin);
       Blocks8* qa = D % 32 == 0 ? ahead<WT>(L.wo, M, HQD, attq_) : nullptr;
@@ -4970,7 +5037,7 @@ class FastLlamaKernel {
       Blocks8* qd = ahead<WT>(L.wdown, M, I, actq_);
       const auto swiglu_by_columns = [&](int64_t c0, int64_t c1) { swiglu_columns(M, c0, c1, qd); };
       const ColumnsDone swiglu_done = columns_done(swiglu_by_columns, true);
-      if ((q != nullptr || in.own()) && swiglu_whole) {
+      if ((q != nullptr || (in.own() && block_product<WT>(L.wgu))) && swiglu_whole) {
         product_normed(L.wgu, in, 2 * I, nullptr, gu_.data(), &swiglu_done);
       } else {
         product_normed(L.wgu, in, 2 * I, nullptr, gu_.data(), nullptr);
