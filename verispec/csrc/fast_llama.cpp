@@ -4754,9 +4754,9 @@ class FastLlamaKernel {
   // `pre_row` on (`layers_by_rows`: a thread's rows of the call); `done` then handed
   // each thread's columns at the end of its chunk (`linear_q4_tiles`). `stream`: y goes to the other
   // thread next, so block tiles write it with non-temporal stores where they can (`linear_q4_tiles`).
-  // `own` (instead of `pre`, where W has blocks: `own_rows`): each of the product's threads forms
-  // every input row itself (`OwnRows`: quantised, normalised first where it has a norm); `done` as
-  // with `pre`.
+  // `own` (instead of `pre`, where the product takes it: `takes_own_rows`): each of the product's
+  // threads forms every input row itself (`OwnRows`: quantised, normalised first where it has a
+  // norm); `done` as with `pre` (block products only).
   template <typename WT>
   void product(const Mat& W, const float* x, int64_t M, int64_t K, int64_t N, const float* bias, float* y,
                bool accumulate, const Blocks8* pre = nullptr, const ColumnsDone* done = nullptr,
