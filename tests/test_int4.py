@@ -220,6 +220,24 @@ def _under_toggle(
     return got
 
 
+def _steps_equal_under_toggle(dtype: str, toggle: str, seed: int, steps: tuple[tuple[int, int], ...]) -> None:
+    """A two-row prompt of 40 tokens, then steps of ``(start, width)``, with the kernel's ``toggle``
+    off and on, on one, two and three threads (``_under_toggle``): every logit bitwise the same."""
+    hf = _q4_llama(hidden=256)
+    end = max(t + w for t, w in steps)
+    ids = torch.randint(0, VOCAB, (2, end), generator=torch.Generator().manual_seed(seed))
+    fast = FastLlama.from_hf(hf, dtype=dtype, max_batch_size=2)
+
+    def run(_: bool) -> torch.Tensor:
+        pieces = [fast.forward(ids[:, :40])]
+        pieces += [fast.forward(ids[:, t : t + w]) for t, w in steps]
+        return torch.cat(pieces, dim=1)
+
+    got = _under_toggle(fast, getattr(fast._kernel, toggle), run)
+    first = got[False, 1]
+    assert all(torch.equal(first, g) for g in got.values())
+
+
 @requires_vnni
 @pytest.mark.parametrize("dtype", ["int4", "w4a8"])
 def test_streaming_stores_give_the_same_logits(dtype: str) -> None:
@@ -227,19 +245,7 @@ def test_streaming_stores_give_the_same_logits(dtype: str) -> None:
     outputs, the 8-bit blocks quantised ahead) with non-temporal stores (``set_stream``). Against
     ordinary stores, on one, two and three threads: a prompt, steps of 1, 2, 5 and 9 tokens (9: past
     the streaming calls), every logit bitwise the same."""
-    hf = _q4_llama(hidden=256)
-    ids = torch.randint(0, VOCAB, (2, 57), generator=torch.Generator().manual_seed(6))
-    fast = FastLlama.from_hf(hf, dtype=dtype, max_batch_size=2)
-
-    def run(_: bool) -> torch.Tensor:
-        pieces = [fast.forward(ids[:, :40])]
-        steps = ((40, 1), (41, 2), (43, 5), (48, 9))
-        pieces += [fast.forward(ids[:, t : t + w]) for t, w in steps]
-        return torch.cat(pieces, dim=1)
-
-    got = _under_toggle(fast, fast._kernel.set_stream, run)
-    first = got[False, 1]
-    assert all(torch.equal(first, g) for g in got.values())
+    _steps_equal_under_toggle(dtype, "set_stream", 6, ((40, 1), (41, 2), (43, 5), (48, 9)))
 
 
 @requires_vnni
@@ -250,19 +256,7 @@ def test_products_own_rows_give_the_same_logits(dtype: str) -> None:
     before them, int4's and int8's four products quantise their own rows. Against the jobs, on one,
     two and three threads: a prompt, steps of 1, 2, 5, 8 and 9 tokens (9: past the own rows), every
     logit bitwise the same."""
-    hf = _q4_llama(hidden=256)
-    ids = torch.randint(0, VOCAB, (2, 65), generator=torch.Generator().manual_seed(9))
-    fast = FastLlama.from_hf(hf, dtype=dtype, max_batch_size=2)
-
-    def run(_: bool) -> torch.Tensor:
-        pieces = [fast.forward(ids[:, :40])]
-        steps = ((40, 1), (41, 2), (43, 5), (48, 8), (56, 9))
-        pieces += [fast.forward(ids[:, t : t + w]) for t, w in steps]
-        return torch.cat(pieces, dim=1)
-
-    got = _under_toggle(fast, fast._kernel.set_own_rows, run)
-    first = got[False, 1]
-    assert all(torch.equal(first, g) for g in got.values())
+    _steps_equal_under_toggle(dtype, "set_own_rows", 9, ((40, 1), (41, 2), (43, 5), (48, 8), (56, 9)))
 
 
 @requires_vnni

@@ -1189,21 +1189,23 @@ struct ByteRows {
   const uint8_t* lo;      // [M, K]
   const float* sums;      // [M, K / 32] with `block_sums`, else null
 };
-// Buffers for ByteRows of M rows of K: each function below keeps one per thread.
+// Buffers for ByteRows of M rows of K: byte_rows and own_byte_rows each keep one per thread.
 struct ByteRowBuffers {
   std::vector<float> xs, sums;
   std::vector<i8> hi;
   std::vector<uint8_t> lo;
-  // The buffers sized for M rows of K; the pointers to write them (sums null without block_sums).
-  void size(int64_t M, int64_t K, bool block_sums, float** xp, i8** hp, uint8_t** lp, float** sp) {
+  struct Out {  // where to write them (sums null without block sums)
+    float* xs;
+    i8* hi;
+    uint8_t* lo;
+    float* sums;
+  };
+  Out size(int64_t M, int64_t K, bool block_sums) {
     xs.resize(M);
     hi.resize(M * K);
     lo.resize(M * K);
     sums.resize(block_sums ? M * (K / 32) : 0);
-    *xp = xs.data();
-    *hp = hi.data();
-    *lp = lo.data();
-    *sp = block_sums ? sums.data() : nullptr;
+    return {xs.data(), hi.data(), lo.data(), block_sums ? sums.data() : nullptr};
   }
 };
 
@@ -1211,26 +1213,12 @@ inline ByteRows byte_rows(const float* x, int64_t M, int64_t ldx, int64_t K, boo
                           bool block_sums = false) {
   thread_local ByteRowBuffers buf;
   // This thread's buffers, by pointer: in the workers, the names would be their own thread_locals.
-  float *xp, *sp;
-  i8* hp;
-  uint8_t* lp;
-  buf.size(M, K, block_sums, &xp, &hp, &lp, &sp);
+  const ByteRowBuffers::Out o = buf.size(M, K, block_sums);
   rows_in_parallel(M, [=](int64_t m0, int64_t m1) {
-    quantize_rows_bytes(x + m0 * ldx, m1 - m0, ldx, K, hp + m0 * K, lp + m0 * K, xp + m0, offset_hi,
-                        sp ? sp + m0 * (K / 32) : nullptr);
+    quantize_rows_bytes(x + m0 * ldx, m1 - m0, ldx, K, o.hi + m0 * K, o.lo + m0 * K, o.xs + m0, offset_hi,
+                        o.sums ? o.sums + m0 * (K / 32) : nullptr);
   });
-  return {xp, hp, lp, sp};
-}
-
-// byte_rows into buffers of this thread's own, all on this thread (for `OwnRows`).
-inline ByteRows own_byte_rows(const float* x, int64_t M, int64_t ldx, int64_t K, bool offset_hi, bool block_sums) {
-  thread_local ByteRowBuffers buf;
-  float *xp, *sp;
-  i8* hp;
-  uint8_t* lp;
-  buf.size(M, K, block_sums, &xp, &hp, &lp, &sp);
-  quantize_rows_bytes(x, M, ldx, K, hp, lp, xp, offset_hi, sp);
-  return {xp, hp, lp, sp};
+  return {o.xs, o.hi, o.lo, o.sums};
 }
 #endif
 
@@ -1897,19 +1885,27 @@ void for_each_pass(int64_t M, int64_t N, const Pass& pass, int64_t most = 6, int
   for_each_pass_after(M, N, [] {}, pass, most, NB);
 }
 
+// A product's input rows formed by each of its threads for itself, from x (`own_rows8`,
+// `own_byte_rows`, `i16_rows`): no job before the product, and no input row read from the other
+// thread. With `w` (else null), x is a norm's input: rmsnorm_row with weight w [K] and epsilon
+// eps first.
+struct OwnRows {
+  const float* w = nullptr;
+  float eps = 0.0f;
+};
 // Declared here for `linear`'s own rows (defined with the norms below).
-struct OwnRows;
 inline const float* own_normed(const float* x, int64_t M, int64_t ldx, int64_t K, const OwnRows& own, int64_t* ld);
 
-// int16 rows (`quantize_rows_i16`) a thread formed for itself: x [M, K] and scales xs [M].
+// int16 rows (`quantize_rows_i16`): q [M, K] and scales qs [M].
 struct I16Rows {
   const int16_t* q;
   const float* qs;
 };
-inline thread_local I16Rows t_own_i16{};  // this thread's, set by `own_i16_rows`
+inline thread_local I16Rows t_own_i16{};  // the rows this thread formed for itself (`OwnRows`)
 
-// The rows of x [M, K] (`own_normed` first) quantised into this thread's own buffers (t_own_i16).
-inline void own_i16_rows(const float* x, int64_t M, int64_t ldx, int64_t K, const OwnRows& own) {
+// The rows of x [M, K] (`own_normed` first where `own` has a norm) quantised into this thread's
+// buffers, all on this thread: valid for every thread until this thread's next call.
+inline I16Rows i16_rows(const float* x, int64_t M, int64_t ldx, int64_t K, const OwnRows& own) {
   thread_local std::vector<int16_t> q;
   thread_local std::vector<float> qs;
   int64_t ld = 0;
@@ -1917,7 +1913,7 @@ inline void own_i16_rows(const float* x, int64_t M, int64_t ldx, int64_t K, cons
   q.resize(M * K);
   qs.resize(M);
   quantize_rows_i16(xn, M, ld, K, q.data(), qs.data());
-  t_own_i16 = {q.data(), qs.data()};
+  return {q.data(), qs.data()};
 }
 
 // y[M, N] (+)= (x[M, K] @ w[N, K]^T) * scale[N] + bias. Threads split the weight rows, so each thread
@@ -1929,9 +1925,9 @@ inline void own_i16_rows(const float* x, int64_t M, int64_t ldx, int64_t K, cons
 // without it); with one only where `sched.prefetch_one_row` says so (on the EPYC the hardware
 // prefetcher keeps up with the single stream alone, and a software prefetch cost 10-25% of the
 // bandwidth; on the Xeon it saved 19% with int8 weights).
-template <typename WT>
 //
-// `own` (int8 only): each thread forms the int16 rows itself (`own_i16_rows`), no quantisation first.
+// `own` (int8 only): each thread forms the int16 rows itself (`i16_rows`), none quantised first.
+template <typename WT>
 void linear(const float* x, int64_t M, int64_t ldx, const WT* w, int64_t N, int64_t K,
             const float* scale, const float* bias, float* y, int64_t ldy, bool accumulate,
             bool paired, const Schedule& sched, const OwnRows* own = nullptr) {
@@ -1941,17 +1937,9 @@ void linear(const float* x, int64_t M, int64_t ldx, const WT* w, int64_t N, int6
   if (std::is_same_v<WT, i8> && quiet) pf = -kQuietPrefetch;  // one-row int8 tiles: `tile_q`
 #endif
   if constexpr (std::is_same_v<WT, i8>) {
-    thread_local std::vector<int16_t> xq;
-    thread_local std::vector<float> xs;
-    I16Rows shared{};
-    if (own == nullptr) {
-      xq.resize(M * K);
-      xs.resize(M);
-      quantize_rows_i16(x, M, ldx, K, xq.data(), xs.data());
-      shared = {xq.data(), xs.data()};
-    }
+    const I16Rows shared = own == nullptr ? i16_rows(x, M, ldx, K, OwnRows{}) : I16Rows{};
     const auto first_in_chunk = [&] {
-      if (own != nullptr) own_i16_rows(x, M, ldx, K, *own);
+      if (own != nullptr) t_own_i16 = i16_rows(x, M, ldx, K, *own);
     };
     // The rows this thread reads: its own (`t_own_i16`) with `own`, else the shared ones.
     const auto rows = [&] { return own != nullptr ? t_own_i16 : shared; };
@@ -2313,25 +2301,21 @@ inline void rmsnorm_row(const float* x, int64_t H, const float* w, float eps, fl
   for (int64_t k = 0; k < H; ++k) y[k] = w[k] * (x[k] * r);
 }
 
-// rmsnorm_row over the rows of x [M, H] into y [M, H]. Then, on the thread that wrote them,
-// after(m0, m1) for each of its runs of rows (`quantize_ahead`).
+// rmsnorm_row over the M rows of x [M, H] (row stride ldx) into y [M, H], on this thread.
+inline void rmsnorm_rows(const float* x, int64_t M, int64_t ldx, int64_t H, const float* w, float eps, float* y) {
+  for (int64_t m = 0; m < M; ++m) rmsnorm_row(x + m * ldx, H, w, eps, y + m * H);
+}
+
+// rmsnorm_rows over the rows of x [M, H] into y [M, H], split between the threads. Then, on the
+// thread that wrote them, after(m0, m1) for each of its runs of rows (`quantize_ahead`).
 template <typename After>
 void rmsnorm_then(const float* x, int64_t M, int64_t H, const float* w, float eps, float* y, const After& after) {
   rows_in_parallel(M, [&](int64_t m0, int64_t m1) {
     prefetch_rows_for_write(M, y, H, m0, m1);
-    for (int64_t m = m0; m < m1; ++m) rmsnorm_row(x + m * H, H, w, eps, y + m * H);
+    rmsnorm_rows(x + m0 * H, m1 - m0, H, H, w, eps, y + m0 * H);
     after(m0, m1);
   });
 }
-
-// A product's input rows formed by each of its threads for itself, from x (`own_rows8`,
-// `own_byte_rows`, `own_i16_rows`): no job before the product, and no input row read from the
-// other thread. With `w` (else null), x is a norm's input: rmsnorm_row with weight w [K] and
-// epsilon eps first.
-struct OwnRows {
-  const float* w = nullptr;
-  float eps = 0.0f;
-};
 
 // The rows of x [M, K] (row stride ldx), normalised first where `own` has a norm, in this thread's
 // own buffer [M, K] (or x itself without a norm): its row stride in *ld.
@@ -2340,7 +2324,7 @@ inline const float* own_normed(const float* x, int64_t M, int64_t ldx, int64_t K
   *ld = ldx;
   if (own.w == nullptr) return x;
   xn.resize(M * K);
-  for (int64_t m = 0; m < M; ++m) rmsnorm_row(x + m * ldx, K, own.w, own.eps, xn.data() + m * K);
+  rmsnorm_rows(x, M, ldx, K, own.w, own.eps, xn.data());
   *ld = K;
   return xn.data();
 }
@@ -2794,6 +2778,17 @@ inline BlockRows8 own_rows8(const float* x, int64_t M, int64_t ldx, int64_t K, c
   return rows.rows();
 }
 
+// The same as `byte_rows` forms (int4's int16 rows), all on this thread (`OwnRows`).
+inline ByteRows own_byte_rows(const float* x, int64_t M, int64_t ldx, int64_t K, const OwnRows& own, bool offset_hi,
+                              bool block_sums) {
+  thread_local ByteRowBuffers buf;
+  int64_t ld = 0;
+  const float* xn = own_normed(x, M, ldx, K, own, &ld);
+  const ByteRowBuffers::Out o = buf.size(M, K, block_sums);
+  quantize_rows_bytes(xn, M, ld, K, o.hi, o.lo, o.xs, offset_hi, o.sums);
+  return {o.xs, o.hi, o.lo, o.sums};
+}
+
 // MR input rows of 8-bit blocks (`quantize_blocks8`) against NT tiles of 4-bit blocks (`q4_pack`): a
 // block's sum S = sum q a is exact in int32 (|S| <= 15 * 127 * 32) and in float32; each output runs
 // one fma chain over its row's blocks, (d * da) * S, then m * sa, per block. One `vpdpbusd` per 4
@@ -2931,13 +2926,10 @@ void linear_q4_tiles(const float* x, int64_t M, int64_t ldx, const uint8_t* wt, 
     BlockRows8 rows8 = rows_pre;
     ByteRows rows_q = rows_pre_q;
     if (own != nullptr) {
-      if constexpr (A8) {
+      if constexpr (A8)
         rows8 = own_rows8(x, M, ldx, K, *own, Q8);
-      } else {
-        int64_t ld = 0;
-        const float* xn = own_normed(x, M, ldx, K, *own, &ld);
-        rows_q = own_byte_rows(xn, M, ld, K, Q8, !Q8);
-      }
+      else
+        rows_q = own_byte_rows(x, M, ldx, K, *own, Q8, !Q8);
     }
     const float* as = rows_q.sums;
     if (!stream) {
@@ -4882,8 +4874,8 @@ class FastLlamaKernel {
     auto quantise = [&](Blocks8* q, const float* v, int64_t K, int64_t m0, int64_t m1) {
       if (q) quantize_ahead(*q, v, K, M, m0, m1);
     };
-    auto norm = [&](const at::Tensor& w, int64_t m0, int64_t m1) {
-      rmsnorm(x + m0 * H, m1 - m0, H, w.data_ptr<float>(), eps_, xn + m0 * H);
+    auto norm = [&](const at::Tensor& w, int64_t m0, int64_t m1) {  // on this thread: it is inside a job
+      rmsnorm_rows(x + m0 * H, m1 - m0, H, H, w.data_ptr<float>(), eps_, xn + m0 * H);
       quantise(qx, xn, H, m0, m1);
     };
     ++rows_calls_;
@@ -4993,19 +4985,21 @@ class FastLlamaKernel {
     // or, where the product can (`takes_own_rows`: int4, w4a8, int8) in a call of up to kOwnRows
     // tokens (`own_rows`), its threads each form every input row from x themselves (`OwnRows`),
     // and no job runs before it. The int4 and int8 products after the attention and SwiGLU form
-    // their own rows alike. Only block products hand their columns on (the heads, SwiGLU).
+    // their own rows alike. Only block products hand their columns on (`columns`: the heads,
+    // SwiGLU), and only where their input is quantised ahead or their own.
     struct Normed {
       const float* x;
       Blocks8* pre;
-      OwnRows rows;
-      bool by_threads;
-      const OwnRows* own() const { return by_threads ? &rows : nullptr; }
+      OwnRows rows;  // with a norm where the product's threads normalise x themselves
+      bool columns;
+      const OwnRows* own() const { return rows.w != nullptr ? &rows : nullptr; }
     };
     const bool own_calls = own_rows(M);
     const auto normed = [&](const Mat& W, Blocks8* q, const at::Tensor& w) {
-      if (own_calls && takes_own_rows<WT>(W, M)) return Normed{x, nullptr, {w.data_ptr<float>(), eps_}, true};
+      if (own_calls && takes_own_rows<WT>(W, M))
+        return Normed{x, nullptr, {w.data_ptr<float>(), eps_}, block_product<WT>(W)};
       norm(w, q);
-      return Normed{xn, q, {}, false};
+      return Normed{xn, q, {}, q != nullptr};
     };
     // y [M, N] = W's product over a norm's output `in` (+ bias), `done` handed each thread's columns.
     const auto product_normed = [&](const Mat& W, const Normed& in, int64_t N, const float* bias, float* y,
@@ -5025,8 +5019,7 @@ class FastLlamaKernel {
       Normed in = normed(L.wqkv, q, L.in_norm);
       const auto heads = [&](int64_t c0, int64_t c1) { write_heads(l, 0, M, c0 / D, c1 / D, sl, ps, cos, sin); };
       const ColumnsDone heads_done = columns_done(heads);
-      const bool heads_by_columns = q != nullptr || (in.own() && block_product<WT>(L.wqkv));
-      const ColumnsDone* heads_at = heads_by_columns && heads_whole ? &heads_done : nullptr;
+      const ColumnsDone* heads_at = in.columns && heads_whole ? &heads_done : nullptr;
       product_normed(L.wqkv, in, QKV, opt(L.bqkv), qkv, heads_at);
       if (!heads_at) write_kv(l, M, sl, ps, cos, sin);
       Blocks8* qa = D % 32 == 0 ? ahead<WT>(L.wo, M, HQD, attq_) : nullptr;
@@ -5037,7 +5030,7 @@ class FastLlamaKernel {
       Blocks8* qd = ahead<WT>(L.wdown, M, I, actq_);
       const auto swiglu_by_columns = [&](int64_t c0, int64_t c1) { swiglu_columns(M, c0, c1, qd); };
       const ColumnsDone swiglu_done = columns_done(swiglu_by_columns, true);
-      if ((q != nullptr || (in.own() && block_product<WT>(L.wgu))) && swiglu_whole) {
+      if (in.columns && swiglu_whole) {
         product_normed(L.wgu, in, 2 * I, nullptr, gu_.data(), &swiglu_done);
       } else {
         product_normed(L.wgu, in, 2 * I, nullptr, gu_.data(), nullptr);
