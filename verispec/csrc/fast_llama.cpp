@@ -2172,8 +2172,29 @@ inline void tile_blocks(const float* x, int64_t ldx, const B& blocks, const floa
 constexpr int blocks_rows(int MR) { return MR == 1 ? 8 : MR <= 3 ? 4 : 2; }
 
 #if defined(__AVX512F__)
+// Each row of x [M, K] with every run of 8 values written twice, [x 8c .. 8c+7 | x 8c .. 8c+7], so
+// that `tile_blocks_z` loads each input vector whole (64-byte aligned) where it broadcast 8 values
+// into both halves of a register before every use. Built on this thread, for it alone; valid until
+// its next call.
+inline const float* doubled_rows(const float* x, int64_t M, int64_t ldx, int64_t K) {
+  thread_local Vec64<float> buf;
+  buf.resize(M * 2 * K);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; k += 8)
+      _mm512_store_ps(buf.data() + m * 2 * K + 2 * k,
+                      _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(x + m * ldx + k)))));
+  return buf.data();
+}
+
 // MR input rows against NP pairs of weight rows in 512-bit registers (each pair as `widen2` lays it
-// out, the accumulator's halves the two rows' 8-lane chains): half the multiply-add instructions of
+// out, the accumulator's halves the two rows' 8-lane chains), the input rows doubled (`doubled_rows`,
+// ldx = 2K), a pair at a time: its four widened registers meet every row's vectors, loaded as the
+// multiply-adds' operands, before the next pair is widened (each accumulator's chain in the same
+// order). Against widening all NP pairs first and broadcasting each input vector (session 54,
+// 2-core Zen 4 EPYC, float32 greedy steps at 200 cached tokens, `benchmarks/kernel_ab.py`, paired
+// medians, three runs): 20 rounds, 1 / 5 tokens 0.969x / 0.993x; 50 rounds all across CCDs, 1 / 2
+// / 5 / 8 tokens 0.977x / 0.952x / 0.942x / 1.007x; 80 rounds, 43 on one CCD and 37 across, 1 token
+// 0.980x / 0.976x, 5 tokens 1.003x / 0.974x. Logits bitwise the same (`benchmarks/bitwise_ab.py`). Before: half the multiply-add instructions of
 // `tile_blocks` and half its widening, and with NP pairs, NP independent chains per input row.
 // Measured on a 2-core Zen 5 EPYC (native 512-bit multiply-adds), SmolLM2-135M at 200 cached
 // tokens, greedy step, min of 14, ms, in one process: this build against one without AVX-512
@@ -2201,17 +2222,15 @@ inline void tile_blocks_z(const float* x, int64_t ldx, const B& blocks, const fl
     if (pf != 0)
       for (int64_t o = 0; o < at.step; o += 64)
         _mm_prefetch(reinterpret_cast<const char*>(at.codes + b * at.step + pf + o), _MM_HINT_T0);
-    __m512 w[NP][4];
 #pragma GCC unroll 4
-    for (int p = 0; p < NP; ++p) blocks.widen2(2 * p, b, w[p]);
+    for (int p = 0; p < NP; ++p) {  // a pair at a time: its 4 widened registers meet every row
+      __m512 w[4];
+      blocks.widen2(2 * p, b, w);
 #pragma GCC unroll 12
-    for (int i = 0; i < MR; ++i) {
-      const float* xi = x + i * ldx + b * 32;
+      for (int i = 0; i < MR; ++i) {
+        const float* xi = x + i * ldx + b * 64;  // doubled: 64 floats a block
 #pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c) {
-        const __m512 xv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(xi + 8 * c))));
-#pragma GCC unroll 4
-        for (int p = 0; p < NP; ++p) acc[i][p] = _mm512_fmadd_ps(xv, w[p][c], acc[i][p]);
+        for (int c = 0; c < 4; ++c) acc[i][p] = _mm512_fmadd_ps(_mm512_load_ps(xi + 16 * c), w[c], acc[i][p]);
       }
     }
   }
@@ -2258,13 +2277,21 @@ constexpr int64_t kBlockMostRows = 6;
 template <typename B>
 void linear_blocks(const float* x, int64_t M, int64_t ldx, const B& blocks, int64_t N, const float* bias,
                    float* y, int64_t ldy, bool accumulate) {
+#if defined(__AVX512F__)
+  const int64_t K = blocks.nb * 32;
+  thread_local const float* xd = nullptr;  // this thread's doubled rows, formed before its blocks
+  for_each_pass_after(M, N, [&] { xd = doubled_rows(x, M, ldx, K); }, [&](int64_t m, int64_t mr, int64_t n0,
+                                                                          int64_t nr, bool) {
+    with_rows<kBlockMostRows>(mr, [&](auto R) {
+      constexpr int MR = decltype(R)::value;
+      blocks_z_rows<MR>(xd + m * 2 * K, 2 * K, blocks.rows(n0), nr, bias ? bias + n0 : nullptr, y + m * ldy + n0,
+                        ldy, accumulate);
+    });
+  }, kBlockMostRows);
+#else
   for_each_pass(M, N, [&](int64_t m, int64_t mr, int64_t n0, int64_t nr, bool) {
     with_rows<kBlockMostRows>(mr, [&](auto R) {
       constexpr int MR = decltype(R)::value;
-#if defined(__AVX512F__)
-      blocks_z_rows<MR>(x + m * ldx, ldx, blocks.rows(n0), nr, bias ? bias + n0 : nullptr, y + m * ldy + n0,
-                        ldy, accumulate);
-#else
       constexpr int NR = blocks_rows(MR);
       for (int64_t j = n0; j < n0 + nr;) {
         const float* bj = bias ? bias + j : nullptr;
@@ -2277,9 +2304,9 @@ void linear_blocks(const float* x, int64_t M, int64_t ldx, const B& blocks, int6
           j += 2;
         }
       }
-#endif
     });
   }, kBlockMostRows);
+#endif
 }
 
 // Sum of squares in fixed order: 8 lanes over the row, hsum, scalar tail.
