@@ -2194,8 +2194,9 @@ inline const float* doubled_rows(const float* x, int64_t M, int64_t ldx, int64_t
 // 2-core Zen 4 EPYC, float32 greedy steps at 200 cached tokens, `benchmarks/kernel_ab.py`, paired
 // medians, three runs): 20 rounds, 1 / 5 tokens 0.969x / 0.993x; 50 rounds all across CCDs, 1 / 2
 // / 5 / 8 tokens 0.977x / 0.952x / 0.942x / 1.007x; 80 rounds, 43 on one CCD and 37 across, 1 token
-// 0.980x / 0.976x, 5 tokens 1.003x / 0.974x. Logits bitwise the same (`benchmarks/bitwise_ab.py`). Before: half the multiply-add instructions of
-// `tile_blocks` and half its widening, and with NP pairs, NP independent chains per input row.
+// 0.980x / 0.976x, 5 tokens 1.003x / 0.974x. Logits bitwise the same (`benchmarks/bitwise_ab.py`).
+// Before that: half the multiply-add instructions of `tile_blocks` and half its widening, and with
+// NP pairs, NP independent chains per input row.
 // Measured on a 2-core Zen 5 EPYC (native 512-bit multiply-adds), SmolLM2-135M at 200 cached
 // tokens, greedy step, min of 14, ms, in one process: this build against one without AVX-512
 // (`tile_blocks`, same layout), 1 token 3.42 / 4.91, 2 4.11 / 6.60, 5 7.78 / 12.73, 8 12.33 / 19.18;
@@ -2274,6 +2275,7 @@ constexpr int64_t kBlockMostRows = 6;
 // `linear` for float32 weights held as blocks (above): y[M, N] (+)= x[M, K] @ w^T + bias, bitwise
 // what `linear` gives for the float32 matrix (N even). `for_each_pass` splits the weight rows and
 // the input rows as for `linear`; each block of 8 weight rows goes through its tiles a pair at a time.
+// With AVX-512 each thread first doubles the call's input rows for its tiles (`doubled_rows`).
 template <typename B>
 void linear_blocks(const float* x, int64_t M, int64_t ldx, const B& blocks, int64_t N, const float* bias,
                    float* y, int64_t ldy, bool accumulate) {
