@@ -580,6 +580,23 @@ def test_bandwidth_goal_of_a_format_read_as_4bit_blocks_uses_the_float32_bound()
     assert got["met"] is False and "blocks" not in got["value"]
 
 
+def test_bandwidth_goal_judges_float32_only() -> None:
+    """The issue sets the 75% goal for float32: another format's fraction is shown, not judged."""
+    from verispec.bench.report import goal_checks
+
+    w4a8 = {
+        "plain_decode_tokens_per_second": 120.0,
+        "bandwidth_bound_tokens_per_second": 400.0,
+        "weight_bytes_per_token": 100,
+        "dense_weight_bytes_per_token": 100,
+        "plain_fraction_of_bound": 0.30,
+    }
+    checks = [c for c in goal_checks({"rows": [], "by_dtype": {"w4a8": w4a8}}) if "bandwidth" in c["goal"]]
+    assert len(checks) == 1 and checks[0]["met"] is None
+    assert "the goal is float32's" in checks[0]["goal"]
+    assert "30% (120.0 of 400.0 tokens/s)" in checks[0]["value"]
+
+
 def test_a_formats_line_says_where_its_prompts_run() -> None:
     """The kernel-only formats (int4, w4a8) hold ``1 << 30`` as their kernel prompt limit: the line
     says every prompt runs there, not a ten-digit token count."""
