@@ -1393,6 +1393,12 @@ inline __m512i dpbusd(__m512i acc, __m512i u, __m512i w) {
   return acc;
 }
 
+// dpbusd with w the 4 signed bytes at p broadcast to every lane, as the instruction's memory operand.
+inline __m512i dpbusd_from(__m512i acc, __m512i u, const uint8_t* p) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
+}
+
 // MR input rows against NT tiles (16 NT weight rows), over all of K, in 2 MR NT accumulators; per
 // step of 4 columns, NT loads of weights, 2 MR broadcasts and 2 MR NT `vpdpbusd`. There is no
 // widening and no horizontal sum, which a pair tile (`tile_q2p_z`) pays per 16 columns and per row.
@@ -2468,6 +2474,7 @@ constexpr int64_t kQ4BlockBytes = kQ4MAt + kTileHalves;
 constexpr int64_t kQ8CodeBytes = 512, kQ8DAt = kQ8CodeBytes, kQ8SumAt = kQ8DAt + kTileHalves;
 constexpr int64_t kQ8BlockBytes = kQ8SumAt + kTileHalves;
 constexpr int kQ4Group = 4;                             // tiles per thread work item
+constexpr int kQ4A8TileRows = 2;  // w4a8 passes of at least this many rows go a tile at a time
 
 // 8-bit block rows (`quantize_blocks8`): x [M, K] as codes and each block's scale and sum.
 struct BlockRows8 {
@@ -2822,6 +2829,16 @@ inline ByteRows own_byte_rows(const float* x, int64_t M, int64_t ldx, int64_t K,
 // block's sum S = sum q a is exact in int32 (|S| <= 15 * 127 * 32) and in float32; each output runs
 // one fma chain over its row's blocks, (d * da) * S, then m * sa, per block. One `vpdpbusd` per 4
 // weights and row, half of `q4_tile`'s.
+// Passes of kQ4A8TileRows rows or more take a block's tiles one at a time: each tile's codes meet
+// every row's 4 activation bytes as the instruction's broadcast memory operand (`dpbusd_from`), and
+// its MR integer sums go into the float sums before the next tile's start, so the MR x NT float
+// sums stay in registers (before, MR x NT integer sums beside them left some in memory). The same
+// integers and the same chains: logits bitwise the same (`benchmarks/bitwise_ab.py`, w4a8). Session
+// 54, 2-core Zen 4 EPYC, w4a8 greedy steps at 200 cached tokens (`benchmarks/kernel_ab.py
+// --placement`, paired medians) against all tiles at once: 30 rounds, 2 / 5 / 8 tokens 0.969x /
+// 0.966x / 0.961x; 80 rounds 0.980x / 0.969x / 0.973x (5 tokens 0.973x on one CCD, 0.964x across);
+// 60 rounds in a slow phase, 5 tokens 0.999x and a 128-token prompt piece 0.997x; one token (one
+// row, unchanged) 0.99-1.00x. From 5 rows only: 5 tokens 0.953x, 2 and 8 tokens gained less.
 template <int MR, int NT>
 inline void q4a8_tile(const uint8_t* a, const float* da, const float* sa, int64_t K, const uint8_t* w,
                       int64_t bstride, const float* bias, float* y, int64_t ldy, int store, bool prefetch) {
@@ -2829,6 +2846,35 @@ inline void q4a8_tile(const uint8_t* a, const float* da, const float* sa, int64_
   block_tiles<MR, NT, kQ4BlockBytes>(B, w, bstride, nullptr, bias, y, ldy, store, prefetch,
                                      [&](const uint8_t* blk, int64_t b, __m512 (&f)[MR][NT], __m512i (&h)[MR][NT],
                                          __m512i (&)[MR][NT]) {
+    if constexpr (MR >= kQ4A8TileRows) {
+#pragma GCC unroll 4
+      for (int u = 0; u < NT; ++u) {
+        const uint8_t* tile = blk + u * kQ4BlockBytes;
+        const __m512i low4 = _mm512_set1_epi8(0x0F);
+        __m512i s[MR];
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) s[i] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+          const __m512i v = _mm512_loadu_si512(tile + 64 * j);
+          const __m512i c0 = _mm512_and_si512(v, low4), c1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+#pragma GCC unroll 8
+          for (int i = 0; i < MR; ++i) {
+            const uint8_t* at = a + i * K + 32 * b + 4 * j;
+            s[i] = dpbusd_from(s[i], c0, at);
+            s[i] = dpbusd_from(s[i], c1, at + 16);
+          }
+        }
+        const __m512 d = load_half16(tile + kQ4DAt), m = load_half16(tile + kQ4MAt);
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) {
+          const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(da[i * B + b]));
+          f[i][u] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(s[i]), f[i][u]);
+          f[i][u] = _mm512_fmadd_ps(m, _mm512_set1_ps(sa[i * B + b]), f[i][u]);
+        }
+      }
+      return;
+    }
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       __m512i c0[NT], c1[NT];
