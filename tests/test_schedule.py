@@ -304,6 +304,20 @@ def test_cpu_name_tells_apart_cpus_that_share_a_model_name() -> None:
     assert zen5 == "AMD EPYC (family 26, model 2; avx2+avx512f+avx512_vnni)"
 
 
+def test_cache_key_follows_the_kernel_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Timed choices are keyed by the kernel's source version: a changed kernel is timed again
+    instead of inheriting an older one's step costs."""
+    from types import SimpleNamespace
+
+    from verispec.models import fast_llama
+
+    model = SimpleNamespace(dtype="w4a8", weight_bytes=lambda: 123)
+    now = schedule._key(model)
+    assert now.endswith(f"|kernel {fast_llama.kernel_version()}") and len(fast_llama.kernel_version()) == 12
+    monkeypatch.setattr(fast_llama, "kernel_version", lambda: "0123456789ab")
+    assert schedule._key(model) != now and schedule._key(model).endswith("|kernel 0123456789ab")
+
+
 def test_step_curve_is_each_widths_least_time_over_one_tokens_at_least_one() -> None:
     times = {1: [1.2, 1.0], 2: [1.1, 1.3], 3: [0.95, 1.4], 4: [1.6, 1.5]}
     assert schedule.step_curve(times) == pytest.approx([1.0, 1.1, 1.0, 1.5])

@@ -157,6 +157,13 @@ def _load_kernel_once() -> Any:
 _kernel_lock = threading.Lock()
 
 
+@functools.cache
+def kernel_version() -> str:
+    """The first 12 hex digits of the kernel source's SHA-256: what its timed choices
+    (``verispec.models.schedule``) were measured on, so a changed kernel is timed again."""
+    return hashlib.sha256(_SRC.read_bytes()).hexdigest()[:12]
+
+
 def loaded_kernel() -> Any:
     """The kernel module if this process has already built and imported it, else None (never
     builds it: the sampling transform uses it only where a fast model already did)."""

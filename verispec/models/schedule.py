@@ -270,8 +270,12 @@ def _write_cache(data: dict[str, Any], key: str, name: object) -> None:
 
 
 def _key(model: Any) -> str:
-    """The cache key: CPU model, weight format, weight size and thread count."""
-    return f"{cpu_name()}|{model.dtype}|{model.weight_bytes()}|{torch.get_num_threads()} threads"
+    """The cache key: CPU model, weight format, weight size, thread count and the kernel's source
+    version (a changed kernel's steps cost what they cost now, not what an older one's did)."""
+    from verispec.models.fast_llama import kernel_version
+
+    threads = torch.get_num_threads()
+    return f"{cpu_name()}|{model.dtype}|{model.weight_bytes()}|{threads} threads|kernel {kernel_version()}"
 
 
 def _cached(
