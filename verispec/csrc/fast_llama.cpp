@@ -2825,6 +2825,20 @@ inline ByteRows own_byte_rows(const float* x, int64_t M, int64_t ldx, int64_t K,
   return {o.xs, o.hi, o.lo, o.sums};
 }
 
+// Block b of one tile (its 4-bit blocks at `tile`) into the float sums f[i][u] of MR rows, from the
+// rows' integer sums s[i]: (d * da) * S, then m * sa (`q4a8_tile`).
+template <int MR, int NT>
+inline void q4a8_add_block(const uint8_t* tile, const float* da, const float* sa, int64_t B, int64_t b,
+                           const __m512i (&s)[MR], __m512 (&f)[MR][NT], int u) {
+  const __m512 d = load_half16(tile + kQ4DAt), m = load_half16(tile + kQ4MAt);
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+    const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(da[i * B + b]));
+    f[i][u] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(s[i]), f[i][u]);
+    f[i][u] = _mm512_fmadd_ps(m, _mm512_set1_ps(sa[i * B + b]), f[i][u]);
+  }
+}
+
 // MR input rows of 8-bit blocks (`quantize_blocks8`) against NT tiles of 4-bit blocks (`q4_pack`): a
 // block's sum S = sum q a is exact in int32 (|S| <= 15 * 127 * 32) and in float32; each output runs
 // one fma chain over its row's blocks, (d * da) * S, then m * sa, per block. One `vpdpbusd` per 4
@@ -2850,28 +2864,21 @@ inline void q4a8_tile(const uint8_t* a, const float* da, const float* sa, int64_
 #pragma GCC unroll 4
       for (int u = 0; u < NT; ++u) {
         const uint8_t* tile = blk + u * kQ4BlockBytes;
-        const __m512i low4 = _mm512_set1_epi8(0x0F);
         __m512i s[MR];
 #pragma GCC unroll 8
         for (int i = 0; i < MR; ++i) s[i] = _mm512_setzero_si512();
 #pragma GCC unroll 4
         for (int j = 0; j < 4; ++j) {
-          const __m512i v = _mm512_loadu_si512(tile + 64 * j);
-          const __m512i c0 = _mm512_and_si512(v, low4), c1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+          __m512i c0[1], c1[1];
+          q4_codes<1>(tile, j, c0, c1);
 #pragma GCC unroll 8
           for (int i = 0; i < MR; ++i) {
             const uint8_t* at = a + i * K + 32 * b + 4 * j;
-            s[i] = dpbusd_from(s[i], c0, at);
-            s[i] = dpbusd_from(s[i], c1, at + 16);
+            s[i] = dpbusd_from(s[i], c0[0], at);
+            s[i] = dpbusd_from(s[i], c1[0], at + 16);
           }
         }
-        const __m512 d = load_half16(tile + kQ4DAt), m = load_half16(tile + kQ4MAt);
-#pragma GCC unroll 8
-        for (int i = 0; i < MR; ++i) {
-          const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(da[i * B + b]));
-          f[i][u] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(s[i]), f[i][u]);
-          f[i][u] = _mm512_fmadd_ps(m, _mm512_set1_ps(sa[i * B + b]), f[i][u]);
-        }
+        q4a8_add_block<MR>(tile, da, sa, B, b, s, f, u);
       }
       return;
     }
@@ -2895,14 +2902,10 @@ inline void q4a8_tile(const uint8_t* a, const float* da, const float* sa, int64_
     }
 #pragma GCC unroll 4
     for (int u = 0; u < NT; ++u) {
-      const uint8_t* tile = blk + u * kQ4BlockBytes;
-      const __m512 d = load_half16(tile + kQ4DAt), m = load_half16(tile + kQ4MAt);
+      __m512i s[MR];
 #pragma GCC unroll 8
-      for (int i = 0; i < MR; ++i) {
-        const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(da[i * B + b]));
-        f[i][u] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(h[i][u]), f[i][u]);
-        f[i][u] = _mm512_fmadd_ps(m, _mm512_set1_ps(sa[i * B + b]), f[i][u]);
-      }
+      for (int i = 0; i < MR; ++i) s[i] = h[i][u];
+      q4a8_add_block<MR>(blk + u * kQ4BlockBytes, da, sa, B, b, s, f, u);
     }
   });
 }
@@ -4830,7 +4833,7 @@ class FastLlamaKernel {
                bool stream = false, int64_t pre_row = 0, const OwnRows* own = nullptr) {
     if constexpr (std::is_same_v<WT, i8>) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-      if (W.q4i.defined() || W.q8i.defined()) {
+      if (block_product<WT>(W)) {
         const bool q8 = !W.q4i.defined();
         linear_block_tiles(q8, act8_, x, M, K, (q8 ? W.q8i : W.q4i).data_ptr<uint8_t>(), N, K, bias, y, N, accumulate,
                            pre, pre || own ? done : nullptr, stream, pre_row, own);
