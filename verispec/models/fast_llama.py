@@ -157,10 +157,10 @@ def _load_kernel_once() -> Any:
 _kernel_lock = threading.Lock()
 
 
-@functools.cache
 def kernel_version() -> str:
     """The first 12 hex digits of the kernel source's SHA-256: what its timed choices
-    (``verispec.models.schedule``) were measured on, so a changed kernel is timed again."""
+    (``verispec.models.schedule``) were measured on, so a changed kernel is timed again. Read each
+    time (a millisecond, at a model's load), so it follows ``_SRC`` where the benchmarks swap it."""
     return hashlib.sha256(_SRC.read_bytes()).hexdigest()[:12]
 
 
